@@ -1,0 +1,351 @@
+"""The ``adaptipe`` command: thin sub-commands over the library.
+
+Every step writes a plan file and reads one (profile -> partition -> schedule ->
+simulation), so a user can inspect, diff and hand-edit what flows between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from adaptipe.errors import AdaptipeError, PlanError
+from adaptipe.units import format_bytes, parse_bandwidth, parse_bytes
+
+__all__ = ["main"]
+
+
+def _parse_overrides(pairs: Sequence[str]) -> dict[str, Any]:
+    """``--set n_layer=6`` -> ``{"n_layer": 6}`` (values parsed as JSON when they can be)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise PlanError(f"--set {pair!r} must look like name=value (e.g. --set n_layer=6)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _floats(text: str, *, what: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise PlanError(f"{what} {text!r} must be comma-separated numbers (e.g. 1,1.5,1)") from None
+
+
+# --------------------------------------------------------------------------- profile
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from adaptipe.models import get_model
+    from adaptipe.profile import profile_model
+    from adaptipe.serial import write_json
+
+    spec = get_model(args.model, **_parse_overrides(args.set))
+    console = Console(stderr=True)
+    with Progress(console=console, transient=True, disable=args.json) as bar:
+        task = bar.add_task(f"profiling {spec.name}", total=spec.num_layers)
+
+        def step(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, description=f"profiling {spec.name}: {name}")
+
+        prof = profile_model(
+            spec,
+            microbatch=args.microbatch,
+            device=args.device,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            optimizer=args.optimizer,
+            threads=args.threads,
+            progress=step,
+        )
+    if args.out:
+        write_json(args.out, prof.to_json())
+    if args.json:
+        print(json.dumps(prof.to_json()))
+        return 0
+    from rich.table import Table
+
+    table = Table(
+        title=f"{prof.model}, micro-batch {prof.microbatch}, {prof.device}, {prof.threads} thread(s)"
+    )
+    for col in ("layer", "kind", "fwd ms", "bwd ms", "activation", "stash", "params"):
+        table.add_column(col, justify="left" if col in ("layer", "kind") else "right")
+    for lp in prof.layers:
+        table.add_row(
+            lp.name,
+            lp.kind,
+            f"{lp.forward_s * 1e3:.3f}",
+            f"{lp.backward_s * 1e3:.3f}",
+            format_bytes(lp.activation_bytes),
+            format_bytes(lp.saved_bytes),
+            format_bytes(lp.param_bytes),
+        )
+    Console().print(table)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- plan
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from adaptipe.plan.api import plan, stage_times
+    from adaptipe.plan.pipedream import Level
+    from adaptipe.plan.staleness import StalenessModel
+    from adaptipe.profile import Profile
+    from adaptipe.serial import load_json_file, write_json
+
+    prof = load_json_file(args.profile, Profile.from_json)
+    bandwidth: float | list[float]
+    bws = [parse_bandwidth(b) for b in args.bandwidth.split(",")]
+    bandwidth = bws[0] if len(bws) == 1 else bws
+    levels = None
+    if args.levels:
+        levels = []
+        for item in args.levels.split(","):
+            workers, sep, bw = item.partition(":")
+            if not sep or not workers.isdigit():
+                raise PlanError(
+                    f"--levels item {item!r} must look like WORKERS:BANDWIDTH (e.g. 4:10GB/s)"
+                )
+            levels.append(Level(workers=int(workers), bandwidth_Bps=parse_bandwidth(bw)))
+    staleness = None
+    if args.staleness:
+        staleness = StalenessModel(**_parse_overrides(args.staleness))
+    partition = plan(
+        prof,
+        planner=args.planner,
+        num_stages=args.stages,
+        bandwidth_Bps=bandwidth,
+        levels=levels,
+        memory_limit_bytes=parse_bytes(args.memory_limit, what="--memory-limit")
+        if args.memory_limit
+        else None,
+        staleness=staleness,
+        top_k=args.top_k,
+        max_stages=args.max_stages,
+    )
+    if args.out:
+        write_json(args.out, partition.to_json())
+    if args.json:
+        print(json.dumps(partition.to_json()))
+        return 0
+    times = stage_times(prof, partition, bandwidth_Bps=bandwidth)
+    print(f"{partition.planner} partition of {prof.model} into {partition.num_stages} stage(s):")
+    for s in range(partition.num_stages):
+        layers = partition.layers(s)
+        names = f"{prof.layers[layers[0]].name}..{prof.layers[layers[-1]].name}"
+        rep = f" x{partition.replicas[s]}" if partition.replicas[s] > 1 else ""
+        print(
+            f"  stage {s}: layers {layers.start}-{layers.stop - 1} ({names}){rep}  {times[s] * 1e3:.3f} ms"
+        )
+    if partition.predicted_s is not None:
+        print(f"predicted time per micro-batch: {partition.predicted_s * 1e3:.3f} ms")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- simulate
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from adaptipe.plan import Partition
+    from adaptipe.profile import Profile
+    from adaptipe.schedule.build import build_schedule
+    from adaptipe.serial import load_json_file, write_json
+    from adaptipe.sim import CostModel, plot_gantt, simulate, simulate_iterations
+
+    schedule = build_schedule(
+        args.schedule,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        chunks=args.virtual,
+        recompute=args.recompute,
+        vertical_sync=args.vertical_sync,
+        update_every=args.update_every,
+    )
+    slowdown = None
+    if args.slowdown:
+        slowdown = _floats(args.slowdown, what="--slowdown")
+        if len(slowdown) != args.stages or any(f <= 0 for f in slowdown):
+            raise PlanError(
+                f"--slowdown needs {args.stages} positive factors, one per stage (got {args.slowdown!r})"
+            )
+    if (args.profile is None) != (args.partition is None):
+        raise PlanError(
+            "--profile and --partition go together (give both, or neither for uniform costs)"
+        )
+    if args.profile:
+        prof = load_json_file(args.profile, Profile.from_json)
+        part = load_json_file(args.partition, Partition.from_json)
+        if part.num_stages != schedule.num_virtual_stages:
+            raise PlanError(
+                f"{args.partition}: has {part.num_stages} stages but the {args.schedule} schedule needs "
+                f"{schedule.num_virtual_stages} (stages x virtual = {args.stages} x {args.virtual})"
+            )
+        costs = CostModel.from_profile(
+            prof,
+            part,
+            bandwidth_Bps=parse_bandwidth(args.bandwidth),
+            latency_s=args.latency,
+            slowdown=slowdown,
+        )
+    else:
+        costs = CostModel.uniform_for(schedule)
+        if slowdown is not None:
+            costs = costs.with_slowdown(slowdown)
+    result = simulate(schedule, costs, record=args.gantt is not None)
+    out: dict[str, Any] = result.to_json()
+    out.pop("timeline", None)
+    out.update(
+        schedule=args.schedule,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        virtual=args.virtual,
+    )
+    if args.iterations > 1:
+        many = simulate_iterations(schedule, costs, args.iterations)
+        out["iterations"] = args.iterations
+        out["mean_iteration_s"] = float(np.mean(many.iteration_s))
+    if args.gantt:
+        plot_gantt(
+            result, args.gantt, title=f"{args.schedule}, S={args.stages}, M={args.microbatches}"
+        )
+    if args.out:
+        write_json(args.out, out)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"{args.schedule}: {args.stages} stage(s), {args.microbatches} micro-batches, virtual {args.virtual}"
+    )
+    print(f"  makespan      {result.makespan:.6g}")
+    print(f"  bubble ratio  {result.bubble_ratio:.4f}")
+    print(f"  throughput    {result.throughput:.6g} micro-batches per time unit")
+    for s in range(args.stages):
+        print(
+            f"  stage {s}: busy {result.busy_s[s]:.6g}, peak activations "
+            f"{format_bytes(result.peak_activation_bytes[s])}, weights {format_bytes(result.peak_weight_bytes[s])}"
+        )
+    if args.gantt:
+        print(f"wrote {args.gantt}")
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from adaptipe.models import MODEL_NAMES
+    from adaptipe.plan.api import PLANNERS
+    from adaptipe.schedule.build import SCHEDULE_NAMES
+
+    parser = argparse.ArgumentParser(
+        prog="adaptipe", description="Adaptive pipeline-parallel training for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "profile", help="measure per-layer times and bytes of a zoo model -> Profile JSON"
+    )
+    p.add_argument("--model", required=True, choices=MODEL_NAMES)
+    p.add_argument("--microbatch", type=int, required=True, help="samples per micro-batch")
+    p.add_argument("--out", help="write the Profile JSON here")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    p.add_argument(
+        "--optimizer", default="sgd", help="sgd, momentum, adam or adamw (optimizer-state bytes)"
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="model config override"
+    )
+    p.add_argument("--json", action="store_true", help="print the profile as JSON")
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("plan", help="partition a profiled model into stages -> Partition JSON")
+    p.add_argument("--profile", required=True)
+    p.add_argument(
+        "--stages", type=int, default=None, help="stage count (dynpipe chooses it when omitted)"
+    )
+    p.add_argument("--planner", default="dynpipe", choices=PLANNERS)
+    p.add_argument(
+        "--bandwidth", default="inf", help="link bandwidth, e.g. 10GB/s; comma list = per boundary"
+    )
+    p.add_argument(
+        "--levels", help="pipedream topology, e.g. 4:100GB/s,2:10GB/s (workers:bandwidth per level)"
+    )
+    p.add_argument("--memory-limit", help="per-device memory, e.g. 16GiB")
+    p.add_argument(
+        "--max-stages", type=int, default=None, help="dynpipe: largest stage count to consider"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=None, help="dynpipe: condense the model to top-k blocks first"
+    )
+    p.add_argument(
+        "--staleness",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="dynpipe Eq. 3 constants: f0, lr, epsilon, smoothness, grad_second_moment",
+    )
+    p.add_argument("--out", help="write the Partition JSON here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("simulate", help="run a schedule in the discrete-event simulator")
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--virtual", type=int, default=1, help="virtual stages per worker (interleaved)")
+    p.add_argument("--recompute", action="store_true", help="activation recomputation")
+    p.add_argument(
+        "--vertical-sync", action="store_true", help="pipedream: vertical sync of weight versions"
+    )
+    p.add_argument(
+        "--update-every", type=int, default=None, help="2bw: micro-batches per weight update"
+    )
+    p.add_argument(
+        "--profile", help="Profile JSON (with --partition; default: uniform costs F=1, B=2)"
+    )
+    p.add_argument("--partition", help="Partition JSON with stages x virtual stages")
+    p.add_argument(
+        "--bandwidth", default="inf", help="link bandwidth, e.g. 10GB/s (with --profile)"
+    )
+    p.add_argument(
+        "--latency", type=float, default=0.0, help="link latency in seconds (with --profile)"
+    )
+    p.add_argument("--slowdown", help="per-stage compute slowdown factors, e.g. 1,2.5")
+    p.add_argument(
+        "--iterations", type=int, default=1, help="also simulate this many iterations back to back"
+    )
+    p.add_argument("--gantt", help="write a Gantt chart PNG here")
+    p.add_argument("--out", help="write the result JSON here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except AdaptipeError as exc:
+        print(f"adaptipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The layer profiler (PipeDream §2.4.1): time and bytes of every layer, measured.
+
+Each layer is timed on its own, fed the real activation the layers before it produce
+for one micro-batch of the model's own data. Forward and backward times are medians of
+``repeats`` runs after ``warmup`` runs; the last layer's times include the loss, since
+the last stage computes it. Bytes come from the tensors themselves: the output
+(sent forward), the gradient w.r.t. the input (sent backward), and what autograd saves
+for backward (the activation stash), found with ``saved_tensors_hooks``.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from adaptipe.errors import PlanError
+from adaptipe.profile.types import LayerProfile, Profile
+
+if TYPE_CHECKING:
+    from adaptipe.models import ModelSpec
+
+__all__ = ["OPTIMIZER_STATE_FACTOR", "profile_model", "resolve_device"]
+
+# Optimizer state per parameter byte: plain SGD keeps none, momentum one buffer, Adam two.
+OPTIMIZER_STATE_FACTOR: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+def resolve_device(device: str) -> torch.device:
+    """Parse a device string; asking for CUDA without a usable GPU is a clear error."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise PlanError(
+            f"device {device!r} is not a device name (allowed: cpu, cuda, cuda:N)"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError(
+            f"device {device!r} asked for, but no CUDA device is available here (use --device cpu)"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise PlanError(f"device {device!r} is not supported (allowed: cpu, cuda, cuda:N)")
+    return dev
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _SavedBytes:
+    """Counts distinct non-parameter storages autograd saves for backward."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params = params
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided and t.device.type != "meta":
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self.params:
+                self.storages[ptr] = max(self.storages.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _time_layer(
+    run: Callable[[], torch.Tensor],
+    grad_for: Callable[[torch.Tensor], torch.Tensor | None],
+    *,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+) -> tuple[float, float]:
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = run()
+        _sync(device)
+        t1 = time.perf_counter()
+        torch.autograd.backward(out, grad_for(out))
+        _sync(device)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def profile_model(
+    spec: ModelSpec,
+    *,
+    microbatch: int,
+    device: str = "cpu",
+    warmup: int = 3,
+    repeats: int = 10,
+    seed: int = 0,
+    optimizer: str = "sgd",
+    threads: int | None = None,
+    progress: ProgressFn | None = None,
+) -> Profile:
+    """Measure every layer of ``spec`` at micro-batch size ``microbatch``.
+
+    Args:
+        spec: the model declaration.
+        microbatch: samples per micro-batch.
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        warmup: untimed runs per layer before the timed ones.
+        repeats: timed runs per layer; the median is kept.
+        seed: parameter initialisation seed (timings do not depend on it).
+        optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` (sets optimizer-state bytes).
+        threads: intra-op threads to use (default: leave torch's setting).
+        progress: called as ``progress(done, total, layer_name)`` after each layer.
+    """
+    if microbatch < 1:
+        raise PlanError(f"microbatch must be >= 1 (got {microbatch})")
+    if repeats < 1 or warmup < 0:
+        raise PlanError(
+            f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats}, warmup={warmup})"
+        )
+    if optimizer not in OPTIMIZER_STATE_FACTOR:
+        raise PlanError(
+            f"optimizer {optimizer!r} unknown (allowed: {', '.join(OPTIMIZER_STATE_FACTOR)})"
+        )
+    dev = resolve_device(device)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise PlanError(f"threads must be >= 1 (got {threads})")
+        torch.set_num_threads(threads)
+    try:
+        return _profile(spec, microbatch, dev, warmup, repeats, seed, optimizer, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _profile(
+    spec: ModelSpec,
+    microbatch: int,
+    dev: torch.device,
+    warmup: int,
+    repeats: int,
+    seed: int,
+    optimizer: str,
+    progress: ProgressFn | None,
+) -> Profile:
+    x, target = spec.dataset(split="train").sample_batch(microbatch, seed=seed)
+    x, target = x.to(dev), target.to(dev)
+    input_bytes = _nbytes(x)
+    names, kinds = spec.layer_names(), spec.layer_kinds()
+    n = spec.num_layers
+    state_factor = OPTIMIZER_STATE_FACTOR[optimizer]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    layers: list[LayerProfile] = []
+    for i in range(n):
+        layer = spec.build_layer(i, seed=seed, device=dev)
+        inp = x.detach()
+        if inp.is_floating_point():
+            inp.requires_grad_(True)
+        last = i == n - 1
+
+        def run(
+            layer: torch.nn.Module = layer, inp: torch.Tensor = inp, last: bool = last
+        ) -> torch.Tensor:
+            out: torch.Tensor = layer(inp)
+            return spec.loss(out, target) if last else out
+
+        def grad_for(out: torch.Tensor) -> torch.Tensor | None:
+            if out.dim() == 0:
+                return None
+            return torch.randn(out.shape, generator=gen).to(device=dev, dtype=out.dtype)
+
+        fwd_s, bwd_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=dev)
+        params = list(layer.parameters())
+        counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            out = layer(inp)
+        param_bytes = sum(_nbytes(p) for p in params)
+        layers.append(
+            LayerProfile(
+                name=names[i],
+                kind=kinds[i],
+                forward_s=fwd_s,
+                backward_s=bwd_s,
+                activation_bytes=_nbytes(out),
+                gradient_bytes=_nbytes(inp) if inp.is_floating_point() else 0,
+                saved_bytes=counter.total,
+                param_bytes=param_bytes,
+                optimizer_bytes=param_bytes * state_factor,
+                num_params=sum(p.numel() for p in params),
+            )
+        )
+        with torch.no_grad():
+            x = out.detach()
+        if progress is not None:
+            progress(i + 1, n, names[i])
+    return Profile(
+        model=spec.name,
+        microbatch=microbatch,
+        device=str(dev),
+        dtype=str(x.dtype).removeprefix("torch."),
+        optimizer=optimizer,
+        threads=torch.get_num_threads(),
+        repeats=repeats,
+        input_bytes=input_bytes,
+        meta=_environment(spec, dev, warmup),
+        layers=tuple(layers),
+    )
+
+
+def _environment(spec: ModelSpec, dev: torch.device, warmup: int) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "config": dict(spec.config),
+        "warmup": warmup,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
+    if dev.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(dev)
+    return env

@@ -1,0 +1,1 @@
+"""Learned controllers and their baselines (AutoPipe, DynPipe): not implemented yet."""

@@ -1,0 +1,1 @@
+"""Gymnasium environments backed by the pipeline simulator: not implemented yet."""
