@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from adaptipe.errors import AdaptipeError, PlanError
@@ -240,6 +241,78 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- train
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.table import Table
+
+    from adaptipe.runtime import train
+
+    if (args.config is None) == (args.resume is None):
+        raise PlanError(
+            "give a CONFIG.toml to start a run, or --resume RUN_DIR to continue one (not both)"
+        )
+    console = Console(stderr=True)
+    columns = (
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]} samples/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, disable=args.json or args.no_progress) as bar:
+        task = bar.add_task("train", total=None, loss="-", rate="-")
+
+        def on_iteration(rec: dict[str, Any], total: int) -> None:
+            loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"
+            rate = "-" if rec["samples_per_s"] is None else f"{rec['samples_per_s']:.0f}"
+            bar.update(task, total=total, completed=rec["iteration"] + 1, loss=loss, rate=rate)
+
+        summary = train(
+            args.config if args.config is not None else Path(args.resume),
+            run_dir=args.resume if args.resume is not None else args.run_dir,
+            resume=args.resume is not None,
+            on_iteration=on_iteration,
+        )
+    if args.json:
+        print(json.dumps(summary.to_json()))
+        return 0
+    out = Console()
+    done = summary.start_iteration + summary.iterations
+    loss = "-" if summary.final_loss is None else f"{summary.final_loss:.4f}"
+    out.print(
+        f"trained iterations {summary.start_iteration}..{done} in {summary.wall_s:.1f} s: "
+        f"final loss {loss}, {summary.samples_per_s:.0f} samples/s (steady state)"
+    )
+    if summary.stages:
+        table = Table(title="per-stage time per iteration (mean)")
+        for col in ("stage", "compute ms", "waiting ms", "communication ms"):
+            table.add_column(col, justify="right")
+        for s, st in enumerate(summary.stages):
+            table.add_row(
+                str(s),
+                f"{st['compute_s'] * 1e3:.1f}",
+                f"{st['wait_s'] * 1e3:.1f}",
+                f"{st['comm_s'] * 1e3:.1f}",
+            )
+        out.print(table)
+    out.print(
+        f"run directory: {summary.run_dir}"
+        + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
+    )
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from adaptipe.models import MODEL_NAMES
@@ -330,6 +403,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result JSON here")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_simulate)
+
+    p = sub.add_parser("train", help="train a run config over real stage processes")
+    p.add_argument("config", nargs="?", help="run config (TOML)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    p.add_argument(
+        "--run-dir", help="where plans, metrics and checkpoints go (default: from the config)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=_cmd_train)
     return parser
 
 

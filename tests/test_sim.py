@@ -465,3 +465,28 @@ def test_gantt_writes_png(tmp_path: Path) -> None:
     assert (tmp_path / "jobs.png").stat().st_size > 5000
     with pytest.raises(ValueError, match="record=True"):
         plot_gantt(simulate(schedule, _comm_costs(schedule), record=False), tmp_path / "none.png")
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [
+        pytest.param(((Forward(-1, 0), Backward(-1, 0)),), id="negative-job"),
+        pytest.param(
+            ((Forward(0, 0), Backward(0, 0)), (Forward(0, 0),)), id="more-lists-than-stages"
+        ),
+    ],
+)
+def test_malformed_schedule_built_in_python_is_rejected(
+    stages: tuple[tuple[Forward | Backward, ...], ...],
+) -> None:
+    bad = Schedule(name="bad", num_stages=1, num_microbatches=1, stages=stages)
+    with pytest.raises(ScheduleError, match=r"out of range|instruction lists"):
+        simulate(bad, CostModel.uniform(1))
+
+
+def test_too_few_instruction_lists_are_not_silently_idle() -> None:
+    bad = Schedule(
+        name="bad", num_stages=2, num_microbatches=1, stages=((Forward(0, 0), Backward(0, 0)),)
+    )
+    with pytest.raises(ScheduleError, match="instruction lists"):
+        simulate(bad, CostModel.uniform(2))

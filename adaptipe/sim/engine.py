@@ -1,13 +1,13 @@
-"""Discrete-event simulation of a `Schedule` under a `CostModel`.
+"""Execute a compiled `Schedule` under a `CostModel`: `simulate`, `simulate_iterations`.
 
 Each worker runs its instruction list in order, exactly like the runtime's stage loop:
 compute (`Forward`, `Backward`, `Recompute`) and `OptimizerStep` advance the worker's
 clock by their cost (times its slowdown, plus a job-switch cost); a send posts a
 transfer at the worker's current time and costs the worker nothing; a receive blocks
 until its transfer has arrived. Each directed link moves one transfer at a time, in the
-order its sender posted them (FIFO), so the whole run is a *static* dependency DAG:
-`compile_schedule` builds it once (cached per schedule) as a topologically ordered list
-of operations, and `simulate` evaluates it with one pass.
+order its sender posted them (FIFO). `adaptipe.sim.dag.compile_schedule` turns the
+schedule into a static, topologically ordered DAG of operations once; `simulate`
+evaluates it with one pass.
 
 One iteration is then a max-plus linear map ``x' = A (x)`` on the state ``x`` = (per
 worker finish times, per link busy-until times) (Cohen et al., max-plus algebra of
@@ -19,263 +19,44 @@ get one matrix ``A_i`` per iteration, then chains ``x_{i+1} = A_i (x)`` cheaply.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from adaptipe.errors import PlanError, ScheduleError
-from adaptipe.schedule.types import (
-    Backward,
-    Forward,
-    Instruction,
-    OptimizerStep,
-    Recompute,
-    RecvActivation,
-    RecvGradient,
-    Schedule,
-    SendActivation,
-    SendGradient,
-)
+from adaptipe.errors import PlanError
+from adaptipe.schedule.types import Schedule
 from adaptipe.sim.costs import CostModel, FloatArray
+from adaptipe.sim.dag import (
+    COMP,
+    COMPUTE,
+    COMPUTE_NAME,
+    GRAD,
+    JOB,
+    KIND,
+    LINK,
+    RECV,
+    SEND,
+    STEP,
+    SWITCH,
+    VSTAGE,
+    WORKER,
+    XFER,
+    CompiledSchedule,
+    Link,
+    compile_schedule,
+)
+from adaptipe.sim.memory import activation_peaks, job_index, weight_peaks
 from adaptipe.sim.result import Event, IterationsResult, SimResult
 
+# `CompiledSchedule` and `compile_schedule` are re-exported from `adaptipe.sim.dag`.
 __all__ = ["CompiledSchedule", "compile_schedule", "simulate", "simulate_iterations"]
-
-IntArray = npt.NDArray[np.int64]
-Link = tuple[int, int]
-COMPUTE, STEP, SEND, RECV = 0, 1, 2, 3
-_COMPUTE_KIND = {Forward: 0, Backward: 1, Recompute: 2}
-_COMPUTE_NAME = ("forward", "backward", "recompute")
-_CACHE: OrderedDict[int, tuple[Schedule, CompiledSchedule]] = OrderedDict()
-_CACHE_SIZE = 32
-
-
-# Rows of `CompiledSchedule.ops`, one column per operation.
-KIND, WORKER, COMP, JOB, MB, CHUNK, VSTAGE, SWITCH, LINK, XFER, GRAD = range(11)
-
-
-@dataclass(frozen=True, eq=False)
-class CompiledSchedule:
-    """A schedule as a topologically ordered list of operations (one per instruction).
-
-    ``ops[row, k]`` describes operation k; rows: ``KIND`` (COMPUTE/STEP/SEND/RECV),
-    ``WORKER``, ``COMP`` (0 forward, 1 backward, 2 recompute), ``JOB``, ``MB``,
-    ``CHUNK``, ``VSTAGE``, ``SWITCH`` (a job change precedes it), ``LINK`` (index into
-    ``links`` for a send; -1 for a send to itself), ``XFER`` (transfer id of a send or
-    recv), ``GRAD`` (the send carries a gradient). ``mem[:, e]`` = (worker, +1 stash /
-    -1 free, table 0 saved / 1 input, job, vstage) per activation-memory event, in
-    each worker's order (``mem_start[s]`` is worker s's first);
-    ``extra_versions[s, c, j]`` the most extra weight versions chunk c of job j keeps.
-    """
-
-    schedule: Schedule
-    links: tuple[Link, ...]
-    ops: IntArray
-    stage_vstages: IntArray
-    mem: IntArray
-    mem_start: IntArray
-    extra_versions: IntArray
-
-    @property
-    def num_ops(self) -> int:
-        return int(self.ops.shape[1])
-
-    @property
-    def num_state(self) -> int:
-        return self.schedule.num_stages + len(self.links)
-
-
-def _check_fields(schedule: Schedule, s: int, i: int, ins: Instruction) -> None:
-    S, V, J = schedule.num_stages, schedule.num_chunks, schedule.num_jobs
-    bad = ins.job >= J or getattr(ins, "chunk", 0) >= V or getattr(ins, "peer", 0) >= S
-    if bad:
-        raise ScheduleError(
-            f"schedule {schedule.name!r}: stage {s} instruction {i} {ins} is out of range (S={S}, V={V}, jobs={J})"
-        )
-
-
-def _transfer_keys(
-    schedule: Schedule,
-) -> tuple[dict[tuple[int, int], tuple[int, Link]], list[dict[int, int]]]:
-    """Number every send in its sender's order and match each recv to its send.
-
-    Returns ``sends[(s, i)] = (transfer id, link)`` and, per worker, ``recvs[s][i] =
-    transfer id`` (-1: no matching send). A transfer's key is ``(gradient?, src, dst,
-    job, microbatch, sender's vstage)``; the n-th recv of a key matches its n-th send.
-    """
-    sends: dict[tuple[int, int], tuple[int, Link]] = {}
-    ids: dict[tuple[object, int], int] = {}
-    posted: dict[object, int] = {}
-    wanted: dict[object, int] = {}
-    recvs: list[dict[int, int]] = []
-    pending: list[tuple[int, int, object, int]] = []
-    for s, stage in enumerate(schedule.stages):
-        recvs.append({})
-        for i, ins in enumerate(stage):
-            _check_fields(schedule, s, i, ins)
-            if isinstance(ins, SendActivation | SendGradient):
-                g = schedule.vstage(s, ins.chunk)
-                key: object = (
-                    isinstance(ins, SendGradient),
-                    s,
-                    ins.peer,
-                    ins.job,
-                    ins.microbatch,
-                    g,
-                )
-                n = posted.get(key, 0)
-                posted[key] = n + 1
-                ids[(key, n)] = len(ids)
-                sends[(s, i)] = (ids[(key, n)], (s, ins.peer))
-            elif isinstance(ins, RecvActivation | RecvGradient):
-                grad = isinstance(ins, RecvGradient)
-                g = schedule.vstage(s, ins.chunk) + (1 if grad else -1)
-                key = (grad, ins.peer, s, ins.job, ins.microbatch, g)
-                n = wanted.get(key, 0)
-                wanted[key] = n + 1
-                pending.append((s, i, key, n))
-    for s, i, key, n in pending:
-        recvs[s][i] = ids.get((key, n), -1)
-    return sends, recvs
-
-
-def _topological_order(
-    schedule: Schedule, sends: dict[tuple[int, int], tuple[int, Link]], recvs: list[dict[int, int]]
-) -> list[tuple[int, int]]:
-    """Advance every worker until it blocks on a transfer not yet posted; raise on deadlock."""
-    pc = [0] * schedule.num_stages
-    posted: set[int] = set()
-    order: list[tuple[int, int]] = []
-    while True:
-        progress = False
-        for s, stage in enumerate(schedule.stages):
-            while pc[s] < len(stage):
-                i = pc[s]
-                if i in recvs[s] and recvs[s][i] not in posted:
-                    break
-                if (s, i) in sends:
-                    posted.add(sends[(s, i)][0])
-                order.append((s, i))
-                pc[s] += 1
-                progress = True
-        if not progress:
-            break
-    blocked = [s for s, stage in enumerate(schedule.stages) if pc[s] < len(stage)]
-    if blocked:
-        parts = []
-        for s in blocked:
-            ins, missing = schedule.stages[s][pc[s]], recvs[s].get(pc[s], 0) < 0
-            parts.append(
-                f"worker {s} at instruction {pc[s]} {ins}"
-                + (" (no matching send anywhere)" if missing else "")
-            )
-        raise ScheduleError(f"schedule {schedule.name!r} deadlocks: blocked " + "; ".join(parts))
-    return order
-
-
-def _memory_events(schedule: Schedule) -> tuple[list[list[int]], IntArray]:
-    """Activation stash events ``[worker, sign, table, job, vstage]`` in instruction
-    order, and per ``(worker, chunk, job)`` the most extra weight versions kept live.
-
-    A forward stashes ``saved`` (``input`` under recompute), a recompute stashes
-    ``saved``, a backward frees what its micro-batch holds. Live weight versions of a
-    chunk: the newest (one per `OptimizerStep` taken) plus each version an in-flight
-    micro-batch uses (PipeDream stashing; at most two under 2BW).
-    """
-    S, V, J = schedule.num_stages, schedule.num_chunks, schedule.num_jobs
-    events: list[list[int]] = []
-    extra = np.zeros((S, V, J), dtype=np.int64)
-    for s, stage in enumerate(schedule.stages):
-        held: dict[tuple[int, int, int], list[int]] = {}
-        inflight: dict[tuple[int, int], dict[int, int]] = {
-            (c, j): {} for c in range(V) for j in range(J)
-        }
-        steps = [0] * J
-        for ins in stage:
-            if isinstance(ins, OptimizerStep):
-                steps[ins.job] += 1
-            elif isinstance(ins, Forward | Backward | Recompute):
-                key, g = (ins.job, ins.microbatch, ins.chunk), schedule.vstage(s, ins.chunk)
-                if isinstance(ins, Backward):
-                    events += [[s, -1, table, ins.job, g] for table in held.pop(key, [])]
-                    inflight[(ins.chunk, ins.job)].pop(ins.microbatch, None)
-                else:
-                    table = 1 if isinstance(ins, Forward) and schedule.recompute else 0
-                    held.setdefault(key, []).append(table)
-                    events.append([s, 1, table, ins.job, g])
-                    if isinstance(ins, Forward):
-                        inflight[(ins.chunk, ins.job)][ins.microbatch] = ins.version
-            else:
-                continue
-            for c in range(V):
-                live = len(set(inflight[(c, ins.job)].values()) | {steps[ins.job]})
-                extra[s, c, ins.job] = max(int(extra[s, c, ins.job]), live - 1)
-    if schedule.weights == "2bw":
-        np.minimum(extra, 1, out=extra)
-    return events, extra
-
-
-def compile_schedule(schedule: Schedule) -> CompiledSchedule:
-    """Build (or fetch from the per-schedule cache) the static DAG of ``schedule``."""
-    hit = _CACHE.get(id(schedule))
-    if hit is not None and hit[0] is schedule:
-        _CACHE.move_to_end(id(schedule))
-        return hit[1]
-    sends, recvs = _transfer_keys(schedule)
-    order = _topological_order(schedule, sends, recvs)
-    links = tuple(sorted({lk for _, lk in sends.values() if lk[0] != lk[1]}))
-    link_index = {lk: n for n, lk in enumerate(links)}
-    rows: list[list[int]] = []
-    last_job: list[int | None] = [None] * schedule.num_stages
-    for s, i in order:
-        ins = schedule.stages[s][i]
-        chunk = getattr(ins, "chunk", -1)
-        mb = getattr(ins, "microbatch", -1)
-        g = schedule.vstage(s, chunk) if chunk >= 0 else 0
-        row = [COMPUTE, s, -1, ins.job, mb, chunk, g, 0, -1, -1, 0]
-        if isinstance(ins, Forward | Backward | Recompute):
-            row[COMP] = _COMPUTE_KIND[type(ins)]
-            row[SWITCH] = int(last_job[s] is not None and last_job[s] != ins.job)
-            last_job[s] = ins.job
-        elif isinstance(ins, OptimizerStep):
-            row[KIND] = STEP
-        elif (s, i) in sends:
-            xid, lk = sends[(s, i)]
-            row[KIND], row[LINK], row[XFER] = SEND, link_index.get(lk, -1), xid
-            row[GRAD] = int(isinstance(ins, SendGradient))
-        else:
-            row[KIND], row[XFER] = RECV, recvs[s][i]
-        rows.append(row)
-    ev, extra = _memory_events(schedule)
-    mem = np.asarray(ev, dtype=np.int64).reshape(-1, 5).T
-    S, V = schedule.num_stages, schedule.num_chunks
-    compiled = CompiledSchedule(
-        schedule=schedule,
-        links=links,
-        ops=np.asarray(rows, dtype=np.int64).reshape(-1, 11).T.copy(),
-        stage_vstages=np.asarray([[schedule.vstage(s, c) for c in range(V)] for s in range(S)]),
-        mem=mem,
-        mem_start=np.searchsorted(mem[0], np.arange(S + 1)),
-        extra_versions=extra,
-    )
-    _CACHE[id(schedule)] = (schedule, compiled)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return compiled
-
-
-def _job_index(jobs: IntArray, costs: CostModel) -> IntArray:
-    """Row of the cost tables for each job (a one-job model is shared by all jobs)."""
-    return jobs if costs.num_jobs > 1 else np.zeros_like(jobs)
 
 
 def _durations(c: CompiledSchedule, costs: CostModel) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Per op: unscaled work (compute/step), switch cost, and transfer time (sends)."""
     o, sv = c.ops, c.stage_vstages
-    j, g = _job_index(o[JOB], costs), o[VSTAGE]
+    j, g = job_index(o[JOB], costs), o[VSTAGE]
     table = np.stack([costs.array(n) for n in ("forward_s", "backward_s", "recompute_s")])
     work = np.where(o[KIND] == COMPUTE, table[np.maximum(o[COMP], 0), j, g], 0.0)
     step = o[KIND] == STEP  # a worker's step costs the sum over its chunks
@@ -287,27 +68,6 @@ def _durations(c: CompiledSchedule, costs: CostModel) -> tuple[FloatArray, Float
     bw, lat = bw_lat[o[LINK], 0], bw_lat[o[LINK], 1]  # LINK -1 (a send to itself) is free
     xfer = np.where(o[KIND] == SEND, lat + np.where(nbytes > 0, nbytes / bw, 0.0), 0.0)
     return work, switch, xfer
-
-
-def _activation_peaks(c: CompiledSchedule, costs: CostModel) -> tuple[int, ...]:
-    """Most stashed activation bytes per worker (running sum of stash/free events)."""
-    tables = np.stack([costs.array("saved_bytes"), costs.array("input_bytes")])
-    _, sign, table, job, g = c.mem
-    vals = sign * tables[table, _job_index(job, costs), g]
-    lo, hi = c.mem_start[:-1], c.mem_start[1:]
-    return tuple(
-        round(float(np.cumsum(vals[a:b]).max(initial=0.0))) for a, b in zip(lo, hi, strict=True)
-    )
-
-
-def _weight_peaks(c: CompiledSchedule, costs: CostModel) -> tuple[int, ...]:
-    """Params + optimizer state of each worker's chunks (one copy per job) plus one
-    parameter copy per extra live weight version (PipeDream stashing, 2BW)."""
-    param = costs.array("param_bytes")[c.stage_vstages]
-    opt = costs.array("optimizer_bytes")[c.stage_vstages]
-    base = c.schedule.num_jobs * (param + opt).sum(axis=1)
-    extra = (c.extra_versions * param[:, :, None]).sum(axis=(1, 2))
-    return tuple(round(float(v)) for v in base + extra)
 
 
 def _events(
@@ -336,7 +96,7 @@ def _events(
             if switch[k] > 0:
                 out.append(Event("worker", s, -1, "switch", job, mb, chunk, t, t + switch[k]))
                 t += switch[k]
-            name = _COMPUTE_NAME[comp] if kind == COMPUTE else "step"
+            name = COMPUTE_NAME[comp] if kind == COMPUTE else "step"
             out.append(Event("worker", s, -1, name, job, mb, chunk, t, end[k]))
     out.sort(key=lambda e: (e.start, e.where != "worker", e.worker))
     return tuple(out)
@@ -405,8 +165,8 @@ def simulate(
         bubble_ratio=1.0 - float(busy.sum()) / (S * makespan) if makespan > 0 else 0.0,
         throughput=tput,
         samples_per_s=tput * costs.samples_per_microbatch,
-        peak_activation_bytes=_activation_peaks(c, costs),
-        peak_weight_bytes=_weight_peaks(c, costs),
+        peak_activation_bytes=activation_peaks(c, costs),
+        peak_weight_bytes=weight_peaks(c, costs),
         start_s=tuple(begin),
         end_s=tuple(T),
         link_free_s=free,

@@ -1,0 +1,447 @@
+"""Run configs: ``adaptipe train CONFIG.toml`` reads one TOML file into frozen dataclasses.
+
+Everything is checked at load time, before any process starts, and errors name the
+file, the section and field, the value and what is allowed. A complete example::
+
+    [model]
+    name = "gpt"                # mlp | gpt | cnn
+    [model.config]              # architecture overrides passed to get_model
+    n_layer = 4
+
+    [data]
+    batch_size = 32             # samples per iteration
+    microbatches = 4            # must divide batch_size
+    split = "train"             # train | val
+    seed = 0                    # data-order seed; defaults to [train].seed
+
+    [optimizer]
+    name = "adam"               # sgd | adam | adamw
+    lr = 3e-4
+    betas = [0.9, 0.999]
+    eps = 1e-8
+    weight_decay = 0.0          # sgd also takes momentum and nesterov
+
+    [pipeline]
+    stages = 2
+    schedule = "1f1b"           # gpipe | 1f1b | interleaved | pipedream | 2bw
+    virtual = 1                 # chunks per worker (interleaved only)
+    recompute = false
+    partition = "even"          # a planner, a Partition JSON path, or bounds [0, 3, 6]
+    bandwidth = "inf"           # for the planners, e.g. "1GB/s"
+
+    [train]
+    iterations = 200            # or epochs = N
+    seed = 0
+    device = "cpu"              # cpu | cuda | cuda:N
+    checkpoint_every = 50       # 0: only the final checkpoint
+    keep_checkpoints = 3        # 0: keep every checkpoint
+    log_every = 10
+    backend = "auto"            # auto | gloo | nccl
+    timeout_s = 60.0            # collective and p2p timeout
+    threads_per_stage = 4       # defaults to cores // stages
+    run_dir = "runs/gpt"        # defaults to runs/<config file stem>
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from adaptipe.errors import PlanError
+from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
+from adaptipe.models.spec import SPLITS, Split
+from adaptipe.plan.api import PLANNERS
+from adaptipe.plan.partition import Partition
+from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
+from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json
+from adaptipe.units import parse_bandwidth
+
+__all__ = [
+    "DataSection",
+    "ModelSection",
+    "OptimizerSection",
+    "PipelineSection",
+    "RunConfig",
+    "TrainSection",
+    "load_config",
+]
+
+T = TypeVar("T")
+_SECTIONS = ("model", "data", "optimizer", "pipeline", "train")
+_DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
+
+
+def _rule(
+    *, minimum: float | None = None, positive: bool = False, choices: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Field metadata: the checks `_read` applies (``positive``: strictly > 0)."""
+    return {"minimum": minimum, "positive": positive, "choices": choices or None}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """The zoo model; `config` holds its full architecture (defaults filled in)."""
+
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> ModelSpec:
+        return get_model(self.name, **self.config)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSection:
+    batch_size: int = field(metadata=_rule(minimum=1))
+    microbatches: int = field(metadata=_rule(minimum=1))
+    split: Split = field(default="train", metadata=_rule(choices=SPLITS))
+    seed: int = 0
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSection:
+    name: str = field(metadata=_rule(choices=("sgd", "adam", "adamw")))
+    lr: float = field(metadata=_rule(positive=True))
+    momentum: float = field(default=0.0, metadata=_rule(minimum=0.0))
+    weight_decay: float = field(default=0.0, metadata=_rule(minimum=0.0))
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = field(default=1e-8, metadata=_rule(positive=True))
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer; ``foreach=False`` so that one optimizer over many parameters and
+        one per parameter (a pipeline split any way) give bitwise identical updates."""
+        common: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if self.name == "sgd":
+            extra: dict[str, Any] = {"momentum": self.momentum, "nesterov": self.nesterov}
+            return torch.optim.SGD(params, foreach=False, **common, **extra)
+        kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+        return kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
+
+    def state_bytes_factor(self) -> int:
+        """Optimizer state per parameter byte: memory planning needs it before building."""
+        if self.name == "sgd":
+            return 1 if self.momentum > 0 else 0
+        return 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSection:
+    """`partition` is a planner name, an absolute Partition JSON path, or explicit bounds."""
+
+    stages: int = field(metadata=_rule(minimum=1))
+    schedule: str = field(default="1f1b", metadata=_rule(choices=SCHEDULE_NAMES))
+    virtual: int = field(default=1, metadata=_rule(minimum=1))
+    recompute: bool = False
+    partition: str | tuple[int, ...] = "even"
+    vertical_sync: bool = False
+    update_every: int | None = field(default=None, metadata=_rule(minimum=1))
+    bandwidth: str = "inf"
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return parse_bandwidth(self.bandwidth)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSection:
+    """Exactly one of `iterations` and `epochs` is set; the rest is resolved at load."""
+
+    iterations: int | None = field(default=None, metadata=_rule(minimum=1))
+    epochs: int | None = field(default=None, metadata=_rule(minimum=1))
+    seed: int = 0
+    device: str = "cpu"
+    threads_per_stage: int = field(default=1, metadata=_rule(minimum=1))
+    checkpoint_every: int = field(default=0, metadata=_rule(minimum=0))
+    keep_checkpoints: int = field(default=0, metadata=_rule(minimum=0))
+    log_every: int = field(default=1, metadata=_rule(minimum=1))
+    backend: str = field(default="gloo", metadata=_rule(choices=("auto", "gloo", "nccl")))
+    timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
+    run_dir: str = "runs/run"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    model: ModelSection
+    data: DataSection
+    optimizer: OptimizerSection
+    pipeline: PipelineSection
+    train: TrainSection
+    source: str = "config"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fully resolved and JSON-serialisable; `from_dict` reads it back to an equal config."""
+        out: dict[str, Any] = {}
+        for name in _SECTIONS:
+            section = getattr(self, name)
+            out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> RunConfig:
+        """Read `to_dict`'s output (or a TOML file's tables); relative paths are taken
+        from the folder of `source`."""
+        return _parse(data, source=source, base=Path(source).parent, stem=Path(source).stem)
+
+    def iterations_total(self, num_samples: int) -> int:
+        """Iterations to run; an epoch is ``num_samples // batch_size`` (drop_last)."""
+        if self.train.iterations is not None:
+            return self.train.iterations
+        per_epoch = num_samples // self.data.batch_size
+        if per_epoch == 0:
+            raise PlanError(
+                f"{self.source}: [data].batch_size must be <= the dataset's {num_samples} "
+                f"samples to train by epochs (got {self.data.batch_size})"
+            )
+        return per_epoch * (self.train.epochs or 0)
+
+
+def load_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Read and check a run config; a relative partition path is taken from its folder."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise PlanError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise PlanError(f"{p}: cannot read ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.match(r"^(.*) \(at line (\d+), column (\d+)\)$", str(exc))
+        where = f"line {m.group(2)}, column {m.group(3)}: {m.group(1)}" if m else str(exc)
+        raise PlanError(f"{p}: not valid TOML ({where})") from None
+    return _parse(data, source=str(p), base=p.resolve().parent, stem=p.stem)
+
+
+# ---- parsing --------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _fail(source: str, where: str, message: str) -> PlanError:
+    return PlanError(f"{source}: {where} {message}")
+
+
+def _table(data: Mapping[str, Any], name: str, cls: type, source: str) -> Mapping[str, Any]:
+    """Section `name` of `data`, with every key a field of `cls`."""
+    if name not in data:
+        raise _fail(source, f"[{name}]", "is missing")
+    table = data[name]
+    if not isinstance(table, Mapping):
+        raise _fail(source, f"[{name}]", f"must be a table (got {type(table).__name__})")
+    allowed = [f.name for f in fields(cls)]
+    for key in table:
+        if key not in allowed:
+            raise _fail(
+                source, f"[{name}].{key}", f"is not a field (allowed: {', '.join(allowed)})"
+            )
+    return table
+
+
+def _read(cls: type[T], raw: Mapping[str, Any], source: str, name: str, **given: Any) -> T:
+    """Build section `cls` from table `raw`, checking each field as its `_field` says."""
+    values = dict(given)
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in values:
+            continue
+        kw: dict[str, Any] = {"source": source, "prefix": f"[{name}]."}
+        if f.default is not MISSING:
+            kw["default"] = f.default
+        minimum, choices = f.metadata.get("minimum"), f.metadata.get("choices")
+        if f.type == "int | None" and raw.get(f.name) is None:
+            values[f.name] = None
+        elif f.type in ("int", "int | None"):
+            values[f.name] = get_int(raw, f.name, minimum=minimum, **kw)
+        elif f.type == "float":
+            values[f.name] = get_float(raw, f.name, minimum=minimum, **kw)
+            if f.metadata.get("positive") and values[f.name] <= 0:
+                raise _fail(source, f"[{name}].{f.name}", f"must be > 0 (got {values[f.name]})")
+        elif f.type == "str" or choices is not None:
+            values[f.name] = get_str(raw, f.name, choices=choices, **kw)
+        elif f.type == "bool":
+            values[f.name] = get_bool(raw, f.name, **kw)
+        else:
+            raise AssertionError(f"{cls.__name__}.{f.name}: no reader for {f.type}")
+    return cls(**values)
+
+
+def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> RunConfig:
+    if not isinstance(data, Mapping):
+        raise PlanError(f"{source}: must be a table of sections (got {type(data).__name__})")
+    for name in data:
+        if name not in _SECTIONS:
+            raise PlanError(f"{source}: unknown section [{name}] (allowed: {', '.join(_SECTIONS)})")
+    model, spec = _model(_table(data, "model", ModelSection, source), source)
+    raw = _table(data, "pipeline", PipelineSection, source)
+    pipeline = _read(
+        PipelineSection, raw, source, "pipeline", partition=_partition(raw, source, base)
+    )
+    try:
+        parse_bandwidth(pipeline.bandwidth, what="[pipeline].bandwidth")
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+    train = _train(_table(data, "train", TrainSection, source), source, stem, pipeline.stages)
+    raw = _table(data, "data", DataSection, source)
+    # The data order follows the run's seed unless [data].seed says otherwise.
+    seed = {} if "seed" in raw else {"seed": train.seed}
+    config = RunConfig(
+        model=model,
+        data=_read(DataSection, raw, source, "data", **seed),
+        optimizer=_optimizer(_table(data, "optimizer", OptimizerSection, source), source),
+        pipeline=pipeline,
+        train=train,
+        source=source,
+    )
+    _check_cross(config, spec)
+    return config
+
+
+def _model(raw: Mapping[str, Any], source: str) -> tuple[ModelSection, ModelSpec]:
+    name = get_str(raw, "name", source=source, prefix="[model].", choices=MODEL_NAMES)
+    overrides = raw.get("config", {})
+    if not isinstance(overrides, Mapping):
+        raise _fail(source, "[model.config]", f"must be a table (got {overrides!r})")
+    try:
+        spec = get_model(name, **overrides)
+    except PlanError as exc:
+        # get_model says "model 'gpt': [unknown ]config field 'x' ..."; name the file's field.
+        m = re.search(r"(unknown )?config field '([^']*)' (.*)$", str(exc))
+        if m is None:
+            raise PlanError(f"{source}: [model.config]: {exc}") from None
+        message = f"is not a field {m.group(3)}" if m.group(1) else m.group(3)
+        raise _fail(source, f"[model.config].{m.group(2)}", message) from None
+    return ModelSection(name=name, config=dict(spec.config)), spec
+
+
+def _optimizer(raw: Mapping[str, Any], source: str) -> OptimizerSection:
+    betas = get_list(raw, "betas", source=source, prefix="[optimizer].", default=[0.9, 0.999])
+    if len(betas) != 2 or not all(
+        isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
+    ):
+        raise _fail(source, "[optimizer].betas", f"must be two numbers in [0, 1) (got {betas!r})")
+    opt = _read(
+        OptimizerSection, raw, source, "optimizer", betas=(float(betas[0]), float(betas[1]))
+    )
+    if opt.name != "sgd" and (opt.momentum != 0.0 or opt.nesterov):
+        what = "momentum" if opt.momentum != 0.0 else "nesterov"
+        raise _fail(
+            source,
+            f"[optimizer].{what}",
+            f"is only for sgd (got {getattr(opt, what)!r} with name = {opt.name!r})",
+        )
+    if opt.nesterov and opt.momentum == 0.0:
+        raise _fail(source, "[optimizer].nesterov", "needs momentum > 0 (got momentum = 0.0)")
+    return opt
+
+
+def _partition(raw: Mapping[str, Any], source: str, base: Path) -> str | tuple[int, ...]:
+    value = raw.get("partition", "even")
+    if isinstance(value, list) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in value
+    ):
+        return tuple(value)
+    if isinstance(value, str) and value in PLANNERS:
+        return value
+    if isinstance(value, str) and value:
+        return str((base / value).resolve())
+    raise _fail(
+        source,
+        "[pipeline].partition",
+        f"must be a planner ({', '.join(PLANNERS)}), a Partition JSON path "
+        f"or a list of layer bounds (got {value!r})",
+    )
+
+
+def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> TrainSection:
+    length = [key for key in ("iterations", "epochs") if raw.get(key) is not None]
+    if len(length) != 1:
+        got = "both" if length else "neither"
+        raise _fail(source, "[train]", f"needs exactly one of iterations or epochs (got {got})")
+    given: dict[str, Any] = {"backend": "auto", "run_dir": f"runs/{stem}"}
+    # One process per stage shares the machine's cores unless told otherwise.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    given["threads_per_stage"] = max(1, (cores or 1) // stages)
+    train = _read(
+        TrainSection, raw, source, "train", **{k: v for k, v in given.items() if raw.get(k) is None}
+    )
+    device, backend = train.device, train.backend
+    if not _DEVICE.match(device):
+        raise _fail(source, "[train].device", f"must be cpu, cuda or cuda:N (got {device!r})")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= count:
+        why = "torch.cuda.is_available() is false" if not count else f"torch sees {count} devices"
+        allowed = f"cpu, cuda, cuda:0..cuda:{count - 1}" if count else "cpu"
+        raise _fail(source, "[train].device", f"is {device!r} but {why} (allowed here: {allowed})")
+    if backend == "nccl" and device == "cpu":
+        raise _fail(source, "[train].backend", "'nccl' needs a cuda device (got device 'cpu')")
+    if backend == "auto":
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+    return replace(train, backend=backend)
+
+
+def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
+    """Checks across sections: everything a run would otherwise trip over after starting."""
+    src, data, pipe = config.source, config.data, config.pipeline
+    if data.batch_size % data.microbatches:
+        raise _fail(
+            src,
+            "[data].microbatches",
+            f"must divide batch_size {data.batch_size} (got {data.microbatches})",
+        )
+    try:
+        build_schedule(
+            pipe.schedule,
+            stages=pipe.stages,
+            microbatches=data.microbatches,
+            chunks=pipe.virtual,
+            recompute=pipe.recompute,
+            vertical_sync=pipe.vertical_sync,
+            update_every=pipe.update_every,
+        )
+    except PlanError as exc:
+        raise PlanError(f"{src}: [pipeline]: {exc}") from None
+    total = pipe.stages * pipe.virtual
+    if total > spec.num_layers:
+        raise _fail(
+            src,
+            "[pipeline].stages",
+            f"times virtual ({pipe.stages} x {pipe.virtual} = {total}) must be <= the "
+            f"{spec.num_layers} layers of model {spec.name!r}",
+        )
+    if pipe.partition in PLANNERS:
+        return
+    try:
+        if isinstance(pipe.partition, tuple):
+            part = Partition(model=spec.name, num_layers=spec.num_layers, bounds=pipe.partition)
+        else:
+            part = Partition.from_json(read_json(pipe.partition), source=pipe.partition)
+    except PlanError as exc:
+        raise PlanError(f"{src}: [pipeline].partition: {exc}") from None
+    if (part.model, part.num_layers) != (spec.name, spec.num_layers):
+        raise _fail(
+            src,
+            "[pipeline].partition",
+            f"covers {part.num_layers} layers of model {part.model!r} but the config's model "
+            f"{spec.name!r} has {spec.num_layers}",
+        )
+    if part.num_stages != total:
+        raise _fail(
+            src,
+            "[pipeline].partition",
+            f"has {part.num_stages} stages but stages x virtual = {total}",
+        )

@@ -1,0 +1,386 @@
+"""The manager: resolve plans, start one worker per stage, watch them, summarise.
+
+`train` is what ``adaptipe train`` calls. It writes every plan into the run directory,
+starts the stage workers as child processes on loopback (a fresh port each time), and
+follows their per-stage reports to merge one metrics record per iteration and drive
+the progress bar. A worker that dies, by an exception or a signal, ends the run within
+seconds with an error naming the stage and the cause; every other worker is stopped
+by its process id (never by name), and the last committed checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import adaptipe
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import AdaptipeError, PlanError
+from adaptipe.models import ModelSpec, get_model
+from adaptipe.plan.partition import Partition
+from adaptipe.profile.types import Profile
+from adaptipe.runtime.config import RunConfig, load_config
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.schedule.build import build_schedule
+from adaptipe.schedule.types import Schedule
+from adaptipe.schedule.validate import validate
+from adaptipe.serial import load_json_file, write_json
+from adaptipe.units import parse_bandwidth
+
+__all__ = ["StageFailed", "TrainSummary", "resolve_plans", "train"]
+
+_KILL_GRACE_S = 3.0
+
+
+class StageFailed(AdaptipeError, RuntimeError):
+    """A stage worker died; the message names the stage and the cause."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSummary:
+    run_dir: str
+    iterations: int
+    start_iteration: int
+    final_loss: float | None
+    samples_per_s: float
+    wall_s: float
+    stages: list[dict[str, float]] = field(default_factory=list)
+    checkpoint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_plans(config: RunConfig) -> tuple[Partition, Schedule, Profile | None]:
+    """The partition and schedule a config asks for (profiling first if a planner needs it)."""
+    spec = get_model(config.model.name, **config.model.config)
+    p = config.pipeline
+    schedule = build_schedule(
+        p.schedule,
+        stages=p.stages,
+        microbatches=config.data.microbatches,
+        chunks=p.virtual,
+        recompute=p.recompute,
+        vertical_sync=p.vertical_sync,
+        update_every=p.update_every,
+    )
+    validate(schedule)
+    num = schedule.num_virtual_stages
+    profile: Profile | None = None
+    where = f"{config.source}: [pipeline].partition"
+    if isinstance(p.partition, tuple | list):
+        partition = Partition(
+            model=spec.name, num_layers=spec.num_layers, bounds=tuple(p.partition), planner="manual"
+        )
+    elif p.partition == "even":
+        partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=num)
+    elif p.partition in ("pipedream", "dynpipe"):
+        from adaptipe.plan.api import plan
+        from adaptipe.profile.profiler import profile_model
+
+        micro = config.data.batch_size // config.data.microbatches
+        profile = profile_model(
+            spec, microbatch=micro, repeats=3, warmup=1, threads=1, device=config.train.device
+        )
+        partition = plan(
+            profile, planner=p.partition, num_stages=num, bandwidth_Bps=parse_bandwidth(p.bandwidth)
+        )
+    else:
+        partition = load_json_file(p.partition, Partition.from_json)
+    partition.check_model(model=spec.name, num_layers=spec.num_layers, source=where)
+    if partition.num_stages != num:
+        raise PlanError(
+            f"{where}: has {partition.num_stages} stages but the schedule needs {num} "
+            f"(stages x virtual = {p.stages} x {p.virtual})"
+        )
+    return partition, schedule, profile
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Terminate every worker still running (by pid and process group), then kill."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+class _Follower:
+    """Reads the workers' per-stage reports as they grow and merges iterations."""
+
+    def __init__(self, run: RunDir, stages: int, batch_size: int) -> None:
+        self.run = run
+        self.stages = stages
+        self.batch_size = batch_size
+        self.offsets = [0] * stages
+        self.pending: dict[int, dict[int, dict[str, Any]]] = {}
+        self.merged: list[dict[str, Any]] = []
+        self.ready = 0
+        self.last_end: float | None = None
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        for s in range(self.stages):
+            path = self.run.stage_metrics(s)
+            if not path.exists():
+                continue
+            with path.open() as fh:
+                fh.seek(self.offsets[s])
+                chunk = fh.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self.offsets[s] += len(complete)
+            for line in complete.splitlines():
+                rec = json.loads(line)
+                if rec.get("event") == "ready":
+                    self.ready += 1
+                elif "iteration" in rec and "event" not in rec:
+                    self.pending.setdefault(rec["iteration"], {})[s] = rec
+        for it in sorted(self.pending):
+            if len(self.pending[it]) < self.stages:
+                break
+            recs = self.pending.pop(it)
+            end = max(r["end_time"] for r in recs.values())
+            span = (
+                max(r["iteration_s"] for r in recs.values())
+                if self.last_end is None
+                else end - self.last_end
+            )
+            self.last_end = end
+            loss = next((r["loss"] for r in recs.values() if "loss" in r), None)
+            merged = {
+                "iteration": it,
+                "loss": loss,
+                "iteration_s": span,
+                "samples_per_s": self.batch_size / span if span > 0 else None,
+                "stages": [
+                    {
+                        k: recs[s][k]
+                        for k in ("compute_s", "wait_s", "comm_s", "iteration_s", "in_flight")
+                    }
+                    for s in range(self.stages)
+                ],
+            }
+            self.merged.append(merged)
+            new.append(merged)
+        return new
+
+
+def _spawn(run: RunDir, stages: int, *, resume: bool) -> list[subprocess.Popen[bytes]]:
+    port = _free_port()
+    # Workers import exactly the adaptipe this manager imported (a checkout, a link tree
+    # or site-packages), whatever their working directory.
+    package_root = str(Path(adaptipe.__file__).parent.parent)
+    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    procs: list[subprocess.Popen[bytes]] = []
+    for rank in range(stages):
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(stages),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(stages),
+            PYTHONPATH=pythonpath,
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+        )
+        cmd = [sys.executable, "-m", "adaptipe.runtime.worker", "--run-dir", str(run.root)]
+        if resume:
+            cmd.append("--resume")
+        with run.log(rank).open("ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    return procs
+
+
+ProgressFn = Callable[[dict[str, Any], int], None]
+
+
+def train(
+    config: RunConfig | str | Path,
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    on_iteration: ProgressFn | None = None,
+    poll_s: float = 0.05,
+) -> TrainSummary:
+    """Train a config over real stage processes; return the summary.
+
+    Args:
+        config: a `RunConfig`, or the path of its TOML file.
+        run_dir: where plans, metrics and checkpoints go (default: the config's run_dir).
+        resume: continue the run in ``run_dir`` from its latest checkpoint, with the
+            resolved config and plans stored there.
+        on_iteration: called with each merged metrics record and the total iteration count.
+    """
+    source: Path | None = None
+    if resume:
+        if run_dir is None:
+            raise PlanError("resuming needs the run directory")
+        run = RunDir(run_dir)
+        if not run.config_json.exists():
+            raise PlanError(f"{run.root}: not a run directory (no config.json)")
+        cfg = run.read_config()
+        found = ckpt.latest(run.checkpoints)
+        if found is None:
+            raise PlanError(f"{run.root}: no committed checkpoint to resume from")
+        _, meta = ckpt.load(found)
+        spec = get_model(cfg.model.name, **cfg.model.config)
+        ckpt.check_compatible(
+            meta,
+            model=spec.name,
+            model_config=dict(spec.config),
+            num_layers=spec.num_layers,
+            source=str(found),
+        )
+        start = int(meta["iteration"])
+        schedule = run.read_schedule()
+    else:
+        if not isinstance(config, RunConfig):
+            source = Path(config)
+            config = load_config(source)
+        cfg = config
+        run = RunDir(run_dir if run_dir is not None else cfg.train.run_dir)
+        existing = ckpt.latest(run.checkpoints)
+        if existing is not None:
+            raise PlanError(
+                f"{run.root} already holds a trained run (checkpoint {existing.name}); continue it with "
+                f"`adaptipe train --resume {run.root}`, or choose another --run-dir"
+            )
+        partition, schedule, profile = resolve_plans(cfg)
+        run.write_plans(
+            config=cfg,
+            partition=partition,
+            schedule=schedule,
+            profile=profile,
+            config_source=source,
+        )
+        if run.metrics.exists():
+            run.metrics.unlink()
+        spec = get_model(cfg.model.name, **cfg.model.config)
+        start = 0
+    return _run(
+        run,
+        cfg,
+        spec,
+        schedule,
+        start=start,
+        resume=resume,
+        on_iteration=on_iteration,
+        poll_s=poll_s,
+    )
+
+
+def _run(
+    run: RunDir,
+    cfg: RunConfig,
+    spec: ModelSpec,
+    schedule: Schedule,
+    *,
+    start: int,
+    resume: bool,
+    on_iteration: ProgressFn | None,
+    poll_s: float,
+) -> TrainSummary:
+    total = cfg.iterations_total(len(spec.dataset(split=cfg.data.split)))
+    run.clear_stage_files()
+    follower = _Follower(run, schedule.num_stages, cfg.data.batch_size)
+    t0 = time.monotonic()
+    procs = _spawn(run, schedule.num_stages, resume=resume)
+    try:
+        with run.metrics.open("a") as metrics:
+            while True:
+                for rec in follower.poll():
+                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.flush()
+                    if on_iteration is not None:
+                        on_iteration(rec, total)
+                codes = [p.poll() for p in procs]
+                failed = next((s for s, c in enumerate(codes) if c not in (None, 0)), None)
+                if failed is not None:
+                    raise _failure(run, failed, codes[failed])
+                if all(c == 0 for c in codes):
+                    for rec in follower.poll():
+                        metrics.write(json.dumps(rec) + "\n")
+                        if on_iteration is not None:
+                            on_iteration(rec, total)
+                    break
+                time.sleep(poll_s)
+    finally:
+        _stop(procs)
+    wall = time.monotonic() - t0
+    summary = _summarise(
+        run, follower.merged, start=start, wall=wall, batch_size=cfg.data.batch_size
+    )
+    write_json(run.summary, summary.to_json())
+    return summary
+
+
+def _failure(run: RunDir, stage: int, code: int | None) -> StageFailed:
+    deadline = time.monotonic() + 1.0
+    cause = run.read_error(stage)
+    while cause is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+        cause = run.read_error(stage)
+    if cause is None:
+        if code is not None and code < 0:
+            cause = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            cause = f"exited with status {code}"
+    last = ckpt.latest(run.checkpoints)
+    resume = f"; resume from {last} with `adaptipe train --resume {run.root}`" if last else ""
+    return StageFailed(f"stage {stage} failed: {cause} (log: {run.log(stage)}){resume}")
+
+
+def _summarise(
+    run: RunDir, merged: list[dict[str, Any]], *, start: int, wall: float, batch_size: int
+) -> TrainSummary:
+    # Steady-state throughput: skip the first iteration (start-up, warm caches).
+    steady = merged[1:] if len(merged) > 1 else merged
+    span = sum(r["iteration_s"] for r in steady)
+    stages: list[dict[str, float]] = []
+    if steady:
+        for s in range(len(steady[0]["stages"])):
+            stages.append(
+                {
+                    k: sum(r["stages"][s][k] for r in steady) / len(steady)
+                    for k in ("compute_s", "wait_s", "comm_s")
+                }
+            )
+    last = ckpt.latest(run.checkpoints)
+    return TrainSummary(
+        run_dir=str(run.root),
+        iterations=len(merged),
+        start_iteration=start,
+        final_loss=merged[-1]["loss"] if merged else None,
+        samples_per_s=batch_size * len(steady) / span if span > 0 else 0.0,
+        wall_s=wall,
+        stages=stages,
+        checkpoint=str(last) if last else None,
+    )

@@ -1,0 +1,135 @@
+"""The run directory: every plan a run used, its metrics, errors and checkpoints.
+
+```
+RUN_DIR/
+  config.toml        the file the user gave (copy)
+  config.json        the resolved config: every default filled in
+  profile.json       when a planner needed one
+  partition.json     the partition used
+  schedule.json      the schedule used (all workers' instruction lists)
+  metrics.jsonl      one merged record per iteration (loss, samples/s, per-stage times)
+  summary.json       the final summary
+  stages/stage-N.jsonl   what worker N reported, line by line
+  logs/stage-N.log       worker N's stdout and stderr
+  errors/stage-N.txt     why worker N failed (first line: the cause)
+  checkpoints/iter-NNNNNN/, checkpoints/latest.json
+```
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from adaptipe.plan.partition import Partition
+from adaptipe.profile.types import Profile
+from adaptipe.runtime.config import RunConfig
+from adaptipe.schedule.types import Schedule
+from adaptipe.serial import atomic_write_text, load_json_file, read_json, write_json
+
+__all__ = ["RunDir"]
+
+
+class RunDir:
+    """Paths and typed readers/writers for one run directory."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    # paths
+    @property
+    def config_json(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def partition_json(self) -> Path:
+        return self.root / "partition.json"
+
+    @property
+    def schedule_json(self) -> Path:
+        return self.root / "schedule.json"
+
+    @property
+    def profile_json(self) -> Path:
+        return self.root / "profile.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return self.checkpoints / f"iter-{iteration:06d}"
+
+    def stage_metrics(self, stage: int) -> Path:
+        path = self.root / "stages" / f"stage-{stage}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def log(self, stage: int) -> Path:
+        path = self.root / "logs" / f"stage-{stage}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def error(self, stage: int) -> Path:
+        return self.root / "errors" / f"stage-{stage}.txt"
+
+    # writers
+    def write_plans(
+        self,
+        *,
+        config: RunConfig,
+        partition: Partition,
+        schedule: Schedule,
+        profile: Profile | None,
+        config_source: Path | None,
+    ) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (
+            config_source is not None
+            and config_source.resolve() != (self.root / "config.toml").resolve()
+        ):
+            shutil.copyfile(config_source, self.root / "config.toml")
+        write_json(self.config_json, config.to_dict())
+        write_json(self.partition_json, partition.to_json())
+        write_json(self.schedule_json, schedule.to_json())
+        if profile is not None:
+            write_json(self.profile_json, profile.to_json())
+
+    def write_error(self, stage: int, cause: str, details: str) -> None:
+        atomic_write_text(self.error(stage), f"{cause}\n\n{details}")
+
+    def clear_stage_files(self) -> None:
+        """Forget a previous attempt's per-stage reports and errors (resume starts anew)."""
+        for folder in ("stages", "errors"):
+            shutil.rmtree(self.root / folder, ignore_errors=True)
+
+    # readers
+    def read_config(self) -> RunConfig:
+        return RunConfig.from_dict(read_json(self.config_json), source=str(self.config_json))
+
+    def read_partition(self) -> Partition:
+        return load_json_file(self.partition_json, Partition.from_json)
+
+    def read_schedule(self) -> Schedule:
+        return load_json_file(self.schedule_json, Schedule.from_json)
+
+    def read_error(self, stage: int) -> str | None:
+        path = self.error(stage)
+        if not path.exists():
+            return None
+        return path.read_text().split("\n", 1)[0]
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]

@@ -1,0 +1,313 @@
+"""A stage worker's executor: one loop over its instruction list.
+
+A stage holds an ordered list of **layer slots** per local chunk (virtual stage), each
+with its own module and optimizer (DESIGN.md, "shape of a stage"), so that layers can
+later be taken off one end of a stage and travel with their state. Forward and
+backward run over the slots of a chunk in order.
+
+Weights: synchronous schedules use the live parameters directly (one version, the
+step after the flush). Asynchronous schedules (PipeDream weight stashing, vertical
+sync, 2BW) compute with *version snapshots*: a micro-batch's forward and backward use
+the tensors of the version its instruction names, while the optimizer updates the live
+parameters in place; gradients computed on a snapshot are added into the live
+parameters' ``.grad`` before the step (dissertation §2.4, §3.2.1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
+from adaptipe.schedule.types import (
+    Backward,
+    Forward,
+    Instruction,
+    OptimizerStep,
+    Recompute,
+    RecvActivation,
+    RecvGradient,
+    Schedule,
+    SendActivation,
+    SendGradient,
+)
+
+__all__ = ["IterationStats", "LayerSlot", "StageExecutor"]
+
+MicroBatches = list[tuple[Tensor | None, Tensor | None]]
+
+
+@dataclass(slots=True)
+class LayerSlot:
+    """One model layer on this stage: its module and its optimizer."""
+
+    index: int
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None  # None for a layer without parameters
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one iteration cost this stage (seconds) and, on the last stage, the loss."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    comm_s: float = 0.0
+    iteration_s: float = 0.0
+    loss: float | None = None
+    max_in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _Stashed:
+    inp: Tensor  # the chunk's input (a leaf that requires grad when it is a float tensor)
+    out: Tensor | None  # the chunk's output, or the scaled loss on the last virtual stage
+    version: int = 0
+    params: list[dict[str, Tensor]] = field(default_factory=list)
+
+
+class StageExecutor:
+    """Executes one worker's instruction lists, iteration after iteration.
+
+    Args:
+        schedule: the schedule (all workers'; this one runs ``schedule.stages[stage]``).
+        stage: this worker's index.
+        chunks: per local chunk, its layer slots in model order.
+        loss_fn: ``loss(output, target)``, mean over the micro-batch.
+        loss_scale: factor applied to each micro-batch loss before backward.
+        transport: the point-to-point transport.
+        boundary_specs: ``boundary_specs[b]`` is what crosses boundary ``b`` (1..G-1).
+    """
+
+    def __init__(
+        self,
+        *,
+        schedule: Schedule,
+        stage: int,
+        chunks: list[list[LayerSlot]],
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        loss_scale: float,
+        transport: P2PTransport,
+        boundary_specs: dict[int, TensorSpec],
+    ) -> None:
+        self.schedule = schedule
+        self.stage = stage
+        self.chunks = chunks
+        self.loss_fn = loss_fn
+        self.loss_scale = loss_scale
+        self.transport = transport
+        self.boundary_specs = boundary_specs
+        self.program: tuple[Instruction, ...] = schedule.stages[stage]
+        self.num_vstages = schedule.num_virtual_stages
+        self.versioned = schedule.weights != "sync"
+        self.steps_done = 0  # optimizer steps applied so far (global weight version)
+        self._snapshots: dict[int, list[list[dict[str, Tensor]]]] = {}
+        self._receives = self._plan_receives()
+        self._versions_after = self._versions_needed_after() if self.versioned else []
+
+    # ------------------------------------------------------------------ planning
+    def _vstage(self, chunk: int) -> int:
+        return self.schedule.vstage(self.stage, chunk)
+
+    def _plan_receives(self) -> list[tuple[TransferKey, int, TensorSpec]]:
+        out: list[tuple[TransferKey, int, TensorSpec]] = []
+        for ins in self.program:
+            match ins:
+                case RecvActivation(job=j, microbatch=m, chunk=c, peer=p):
+                    b = self._vstage(c)
+                    out.append((TransferKey(j, m, b, ACTIVATION), p, self.boundary_specs[b]))
+                case RecvGradient(job=j, microbatch=m, chunk=c, peer=p):
+                    b = self._vstage(c) + 1
+                    out.append((TransferKey(j, m, b, GRADIENT), p, self.boundary_specs[b]))
+                case _:
+                    pass
+        return out
+
+    def _versions_needed_after(self) -> list[set[int]]:
+        """For each position, the (window-relative) versions later instructions use."""
+        needed: list[set[int]] = [set() for _ in self.program]
+        later: set[int] = set()
+        for pos in range(len(self.program) - 1, -1, -1):
+            needed[pos] = set(later)
+            ins = self.program[pos]
+            if isinstance(ins, Forward | Backward | Recompute):
+                later.add(ins.version)
+        return needed
+
+    # ------------------------------------------------------------------ weights
+    def _live_params(self, chunk: int) -> list[dict[str, Tensor]]:
+        return [dict(slot.module.named_parameters()) for slot in self.chunks[chunk]]
+
+    def _snapshot(self, version: int) -> list[list[dict[str, Tensor]]]:
+        snap = self._snapshots.get(version)
+        if snap is None:
+            if version != self.steps_done:
+                raise RuntimeError(
+                    f"stage {self.stage}: weight version {version} is needed but was not kept "
+                    f"(current version {self.steps_done})"
+                )
+            snap = [
+                [
+                    {
+                        n: p.detach().clone().requires_grad_(True)
+                        for n, p in slot.module.named_parameters()
+                    }
+                    for slot in chunk
+                ]
+                for chunk in self.chunks
+            ]
+            self._snapshots[version] = snap
+        return snap
+
+    def _run_chunk(self, chunk: int, x: Tensor, params: list[dict[str, Tensor]] | None) -> Tensor:
+        for i, slot in enumerate(self.chunks[chunk]):
+            x = slot.module(x) if params is None else functional_call(slot.module, params[i], (x,))
+        return x
+
+    # ------------------------------------------------------------------ execution
+    def run_iteration(self, iteration: int, microbatches: MicroBatches) -> IterationStats:
+        """Execute the instruction list once.
+
+        Args:
+            iteration: global iteration index (window index for asynchronous schedules).
+            microbatches: per micro-batch ``(input, target)``; input is used by the worker
+                holding virtual stage 0, target by the one holding the last (else None).
+        """
+        stats = IterationStats()
+        t_start = time.perf_counter()
+        transport = self.transport
+        transport.start_iteration(iteration, self._receives)
+        # Asynchronous windows drain completely, so version 0 of this window's
+        # instructions is whatever the weights are now.
+        base = self.steps_done
+        inputs: dict[tuple[int, int, int], Tensor] = {}
+        stash: dict[tuple[int, int, int], _Stashed] = {}
+        grads_out: dict[tuple[int, int, int], Tensor] = {}
+        outputs: dict[tuple[int, int, int], Tensor] = {}
+        received_grads: dict[tuple[int, int, int], Tensor] = {}
+        loss_sum = 0.0
+        has_loss = False
+        recompute = self.schedule.recompute
+        last_vstage = self.num_vstages - 1
+        compute = 0.0
+
+        for pos, ins in enumerate(self.program):
+            match ins:
+                case RecvActivation(job=j, microbatch=m, chunk=c):
+                    inputs[(j, m, c)] = transport.recv(
+                        TransferKey(j, m, self._vstage(c), ACTIVATION)
+                    )
+                case RecvGradient(job=j, microbatch=m, chunk=c):
+                    received_grads[(j, m, c)] = transport.recv(
+                        TransferKey(j, m, self._vstage(c) + 1, GRADIENT)
+                    )
+                case SendActivation(job=j, microbatch=m, chunk=c, peer=p):
+                    transport.send(
+                        outputs.pop((j, m, c)),
+                        p,
+                        TransferKey(j, m, self._vstage(c) + 1, ACTIVATION),
+                    )
+                case SendGradient(job=j, microbatch=m, chunk=c, peer=p):
+                    transport.send(
+                        grads_out.pop((j, m, c)), p, TransferKey(j, m, self._vstage(c), GRADIENT)
+                    )
+                case Forward(job=j, microbatch=m, chunk=c, version=v):
+                    t0 = time.perf_counter()
+                    key = (j, m, c)
+                    g = self._vstage(c)
+                    x = microbatches[m][0] if g == 0 else inputs.pop(key)
+                    assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
+                    if x.is_floating_point() and g > 0:
+                        x.requires_grad_(True)
+                    params = self._snapshot(base + v)[c] if self.versioned else None
+                    with torch.set_grad_enabled(not recompute):
+                        out = self._run_chunk(c, x, params)
+                        if g == last_vstage:
+                            target = microbatches[m][1]
+                            assert target is not None, (
+                                f"stage {self.stage}: no target for micro-batch {m}"
+                            )
+                            loss = self.loss_fn(out, target)
+                            loss_sum += float(loss.detach())
+                            has_loss = True
+                            out = loss * self.loss_scale
+                        else:
+                            outputs[key] = out.detach()
+                    stash[key] = _Stashed(inp=x, out=None if recompute else out, version=base + v)
+                    stats.max_in_flight = max(stats.max_in_flight, len(stash))
+                    compute += time.perf_counter() - t0
+                case Recompute(job=j, microbatch=m, chunk=c):
+                    t0 = time.perf_counter()
+                    st = stash[(j, m, c)]
+                    g = self._vstage(c)
+                    params = self._snapshot(st.version)[c] if self.versioned else None
+                    with torch.enable_grad():
+                        out = self._run_chunk(c, st.inp, params)
+                        if g == last_vstage:
+                            target = microbatches[m][1]
+                            assert target is not None
+                            out = self.loss_fn(out, target) * self.loss_scale
+                    st.out = out
+                    compute += time.perf_counter() - t0
+                case Backward(job=j, microbatch=m, chunk=c):
+                    t0 = time.perf_counter()
+                    key = (j, m, c)
+                    st = stash.pop(key)
+                    assert st.out is not None, (
+                        f"stage {self.stage}: backward of {key} before its forward/recompute"
+                    )
+                    g = self._vstage(c)
+                    if g == last_vstage:
+                        torch.autograd.backward(st.out)
+                    else:
+                        torch.autograd.backward(st.out, received_grads.pop(key))
+                    if g > 0 and st.inp.grad is not None:
+                        grads_out[key] = st.inp.grad
+                    if self.versioned:
+                        self._move_grads(c, self._snapshots[st.version][c])
+                    compute += time.perf_counter() - t0
+                case OptimizerStep():
+                    t0 = time.perf_counter()
+                    self._step(pos, base)
+                    compute += time.perf_counter() - t0
+        transport.flush()
+        self._snapshots.clear()
+        stats.wait_s, stats.comm_s = transport.take_times()
+        stats.compute_s = compute
+        stats.loss = loss_sum if has_loss else None
+        stats.iteration_s = time.perf_counter() - t_start
+        return stats
+
+    def _move_grads(self, chunk: int, params: list[dict[str, Tensor]]) -> None:
+        """Add gradients computed on a snapshot into the live parameters' ``.grad``."""
+        for slot, snap in zip(self.chunks[chunk], params, strict=True):
+            for name, p in slot.module.named_parameters():
+                g = snap[name].grad
+                if g is None:
+                    continue
+                p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+                snap[name].grad = None
+
+    def _step(self, pos: int, base: int) -> None:
+        if self.versioned and (self.steps_done - base) in self._versions_after[pos]:
+            self._snapshot(self.steps_done)  # a later micro-batch still computes with it
+        for chunk in self.chunks:
+            for slot in chunk:
+                if slot.optimizer is not None:
+                    slot.optimizer.step()
+                    slot.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        if self.versioned:
+            keep = {base + v for v in self._versions_after[pos]}
+            for version in [v for v in self._snapshots if v not in keep]:
+                del self._snapshots[version]
+
+    def slots(self) -> Iterator[LayerSlot]:
+        """Every layer slot of this stage, chunk by chunk, in model order."""
+        for chunk in self.chunks:
+            yield from chunk

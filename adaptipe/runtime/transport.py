@@ -1,0 +1,193 @@
+"""Point-to-point transport between stage workers over ``torch.distributed``.
+
+Every transfer is keyed by (iteration, job, micro-batch, boundary, direction) and
+mapped to a gloo/NCCL tag, so any schedule the validator accepts can post its sends
+and receives in its own order. Sends are non-blocking; a worker keeps the tensor alive
+until the transfer completes. Receives are *pre-posted*: when an iteration starts, the
+worker posts the first ``lookahead`` receives of its instruction list into buffers of
+the negotiated shape, so data lands while the worker computes, and a `RecvActivation`
+usually finds its tensor already there.
+
+Shapes are negotiated once, at start-up, along the pipeline: the worker holding virtual
+stage ``g`` receives the input shape of ``g`` from its predecessor, infers its output
+shape with a forward pass on the ``meta`` device, and sends that on. Nothing about
+shapes is hard-coded, and no per-message header costs a round trip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ACTIVATION",
+    "GRADIENT",
+    "P2PTransport",
+    "TensorSpec",
+    "TransferKey",
+    "recv_spec",
+    "send_spec",
+]
+
+ACTIVATION = 0
+GRADIENT = 1
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+_HEADER = 10  # ndim, dtype code, up to 8 dimensions
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of what crosses one pipeline boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class TransferKey:
+    """What a transfer carries: ``boundary`` b sits between virtual stages b-1 and b."""
+
+    job: int
+    microbatch: int
+    boundary: int
+    direction: int  # ACTIVATION (forward, b-1 -> b) or GRADIENT (backward, b -> b-1)
+
+
+def send_spec(spec: TensorSpec, dst: int) -> None:
+    header = torch.full((_HEADER,), -1, dtype=torch.int64)
+    if len(spec.shape) > _HEADER - 2:
+        raise ValueError(
+            f"tensors of rank {len(spec.shape)} cannot cross a boundary (at most {_HEADER - 2})"
+        )
+    header[0] = len(spec.shape)
+    header[1] = _DTYPES.index(spec.dtype)
+    header[2 : 2 + len(spec.shape)] = torch.tensor(spec.shape, dtype=torch.int64)
+    dist.send(header, dst)
+
+
+def recv_spec(src: int) -> TensorSpec:
+    header = torch.empty((_HEADER,), dtype=torch.int64)
+    dist.recv(header, src)
+    ndim, code = int(header[0]), int(header[1])
+    return TensorSpec(tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[code])
+
+
+@dataclass(slots=True)
+class _PendingRecv:
+    key: TransferKey
+    src: int
+    buffer: torch.Tensor
+    work: Any
+
+
+class P2PTransport:
+    """Tagged, non-blocking sends and pre-posted receives for one worker.
+
+    Args:
+        rank: this worker's rank (= stage index).
+        device: where received buffers live (CPU for gloo, the GPU for NCCL).
+        num_boundaries: virtual stages in the pipeline (boundaries are 1..G-1).
+        num_microbatches: micro-batches per job per iteration.
+        num_jobs: jobs in the array.
+        lookahead: receives kept posted ahead of the instruction being executed.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        device: torch.device,
+        num_boundaries: int,
+        num_microbatches: int,
+        num_jobs: int = 1,
+        lookahead: int = 4,
+    ) -> None:
+        self.rank = rank
+        self.device = device
+        self._g = num_boundaries
+        self._m = num_microbatches
+        self._j = num_jobs
+        self._lookahead = max(1, lookahead)
+        self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self._plan: list[tuple[TransferKey, int, TensorSpec]] = []
+        self._next = 0
+        self._posted: dict[TransferKey, _PendingRecv] = {}
+        self._epoch = 0
+        self.wait_s = 0.0
+        self.comm_s = 0.0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= 2**31:
+            raise ValueError("too many transfers per iteration to tag uniquely")
+
+    def _tag(self, key: TransferKey) -> int:
+        # The epoch bits keep consecutive iterations apart even if a fast worker runs ahead.
+        slot = ((key.job * self._m + key.microbatch) * self._g + key.boundary) * 2 + key.direction
+        return (self._epoch % 4) * (self._j * self._m * self._g * 2) + slot
+
+    def start_iteration(
+        self, epoch: int, receives: list[tuple[TransferKey, int, TensorSpec]]
+    ) -> None:
+        """Begin an iteration whose receives, in execution order, are ``receives``."""
+        if self._posted:
+            raise RuntimeError(
+                f"stage {self.rank}: {len(self._posted)} receives still posted from the last iteration"
+            )
+        self._epoch = epoch
+        self._plan = receives
+        self._next = 0
+        self._post_ahead()
+
+    def _post_ahead(self) -> None:
+        while self._next < len(self._plan) and len(self._posted) < self._lookahead:
+            key, src, spec = self._plan[self._next]
+            self._next += 1
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            work = dist.irecv(buf, src, tag=self._tag(key))
+            self._posted[key] = _PendingRecv(key, src, buf, work)
+
+    def recv(self, key: TransferKey) -> torch.Tensor:
+        """Wait for a pre-posted receive and return its tensor."""
+        pending = self._posted.pop(key, None)
+        if pending is None:
+            raise RuntimeError(
+                f"stage {self.rank}: receive {key} was not planned for this iteration"
+            )
+        t0 = time.perf_counter()
+        pending.work.wait()
+        self.wait_s += time.perf_counter() - t0
+        self.bytes_received += pending.buffer.numel() * pending.buffer.element_size()
+        self._post_ahead()
+        return pending.buffer
+
+    def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None:
+        """Post a non-blocking send; the tensor is kept alive until it completes."""
+        t0 = time.perf_counter()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        work = dist.isend(tensor, dst, tag=self._tag(key))
+        self._sends.append((work, tensor))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+        self.comm_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Wait for every outstanding send (end of an iteration)."""
+        t0 = time.perf_counter()
+        while self._sends:
+            work, _ = self._sends.popleft()
+            work.wait()
+        self.comm_s += time.perf_counter() - t0
+
+    def take_times(self) -> tuple[float, float]:
+        """(wait_s, comm_s) since the last call."""
+        out = (self.wait_s, self.comm_s)
+        self.wait_s = self.comm_s = 0.0
+        return out
