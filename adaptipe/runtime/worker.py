@@ -36,7 +36,25 @@ from adaptipe.runtime.stage import LayerSlot, StageExecutor
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, recv_spec, send_spec
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["main", "run_worker"]
+__all__ = ["FAULT_ENV", "InjectedFault", "main", "run_worker"]
+
+FAULT_ENV = "ADAPTIPE_INJECT_FAULT"
+"""``STAGE:ITERATION``: that stage raises `InjectedFault` when it reaches that iteration.
+A drill for fault handling (tests, rehearsals); scenario-driven injection builds on it."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by a worker named in ``ADAPTIPE_INJECT_FAULT``."""
+
+
+def _injected_fault(rank: int) -> int | None:
+    value = os.environ.get(FAULT_ENV, "")
+    if not value:
+        return None
+    stage, sep, iteration = value.partition(":")
+    if not sep or not stage.isdigit() or not iteration.isdigit():
+        raise ValueError(f"{FAULT_ENV}={value!r} must look like STAGE:ITERATION (e.g. 1:5)")
+    return int(iteration) if int(stage) == rank else None
 
 
 def _pin_threads(local_rank: int, local_world: int, threads: int | None) -> int:
@@ -268,13 +286,17 @@ def _train(
             {
                 "event": "ready",
                 "stage": rank,
+                "pid": os.getpid(),
                 "threads": threads,
                 "device": str(device),
                 "start": start,
             },
         )
         dist.barrier()
+        fault_at = _injected_fault(rank)
         for it in range(start, total):
+            if it == fault_at:
+                raise InjectedFault(f"fault injected at iteration {it} ({FAULT_ENV})")
             mbs: list[tuple[torch.Tensor | None, torch.Tensor | None]]
             if stream is not None:
                 x, y = next(stream)
@@ -332,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:  # report every failure, including KeyboardInterrupt
         cause = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         try:
-            RunDir(args.run_dir).write_error(int(rank), cause, traceback.format_exc())
+            if rank.isdigit():
+                RunDir(args.run_dir).write_error(int(rank), cause, traceback.format_exc())
         finally:
             print(f"stage {rank}: {cause}", file=sys.stderr)
             traceback.print_exc()
