@@ -137,7 +137,7 @@ def test_new_run_refuses_a_directory_that_holds_a_trained_run(
 ) -> None:
     cfg = make_config(train={"iterations": 2})
     train(cfg)
-    with pytest.raises(PlanError, match="already holds a trained run.*--resume"):
+    with pytest.raises(PlanError, match=r"already holds a trained run.*--resume"):
         train(cfg)
 
 
