@@ -313,6 +313,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- prepare
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from adaptipe.runtime import prepare
+
+    run, config = prepare(args.config, run_dir=args.run_dir)
+    partition = run.read_partition()
+    print(
+        f"wrote the plans of {args.config} to {run.root}: {config.pipeline.schedule} over "
+        f"{config.pipeline.stages} stage(s), partition bounds {list(partition.bounds)}"
+    )
+    print(
+        f"start one worker per stage with: torchrun ... -m adaptipe.runtime.worker --run-dir {run.root}"
+    )
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from adaptipe.models import MODEL_NAMES
@@ -413,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "prepare", help="write a run's plans without starting workers (for torchrun)"
+    )
+    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("--run-dir", help="where to write (default: from the config)")
+    p.set_defaults(func=_cmd_prepare)
     return parser
 
 

@@ -37,7 +37,7 @@ from adaptipe.schedule.validate import validate
 from adaptipe.serial import load_json_file, write_json
 from adaptipe.units import parse_bandwidth
 
-__all__ = ["StageFailed", "TrainSummary", "resolve_plans", "train"]
+__all__ = ["StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
 
 _KILL_GRACE_S = 3.0
 
@@ -222,6 +222,34 @@ def _spawn(run: RunDir, stages: int, *, resume: bool) -> list[subprocess.Popen[b
 ProgressFn = Callable[[dict[str, Any], int], None]
 
 
+def prepare(
+    config: RunConfig | str | Path, *, run_dir: str | Path | None = None
+) -> tuple[RunDir, RunConfig]:
+    """Resolve a config's plans and write them into a fresh run directory.
+
+    This is all ``adaptipe train`` does before it starts workers, and what a multi-host
+    launch (``torchrun -m adaptipe.runtime.worker --run-dir DIR``) needs beforehand.
+    """
+    source: Path | None = None
+    if not isinstance(config, RunConfig):
+        source = Path(config)
+        config = load_config(source)
+    run = RunDir(run_dir if run_dir is not None else config.train.run_dir)
+    existing = ckpt.latest(run.checkpoints)
+    if existing is not None:
+        raise PlanError(
+            f"{run.root} already holds a trained run (checkpoint {existing.name}); continue it with "
+            f"`adaptipe train --resume {run.root}`, or choose another --run-dir"
+        )
+    partition, schedule, profile = resolve_plans(config)
+    run.write_plans(
+        config=config, partition=partition, schedule=schedule, profile=profile, config_source=source
+    )
+    if run.metrics.exists():
+        run.metrics.unlink()
+    return run, config
+
+
 def train(
     config: RunConfig | str | Path,
     *,
@@ -239,7 +267,6 @@ def train(
             resolved config and plans stored there.
         on_iteration: called with each merged metrics record and the total iteration count.
     """
-    source: Path | None = None
     if resume:
         if run_dir is None:
             raise PlanError("resuming needs the run directory")
@@ -262,27 +289,8 @@ def train(
         start = int(meta["iteration"])
         schedule = run.read_schedule()
     else:
-        if not isinstance(config, RunConfig):
-            source = Path(config)
-            config = load_config(source)
-        cfg = config
-        run = RunDir(run_dir if run_dir is not None else cfg.train.run_dir)
-        existing = ckpt.latest(run.checkpoints)
-        if existing is not None:
-            raise PlanError(
-                f"{run.root} already holds a trained run (checkpoint {existing.name}); continue it with "
-                f"`adaptipe train --resume {run.root}`, or choose another --run-dir"
-            )
-        partition, schedule, profile = resolve_plans(cfg)
-        run.write_plans(
-            config=cfg,
-            partition=partition,
-            schedule=schedule,
-            profile=profile,
-            config_source=source,
-        )
-        if run.metrics.exists():
-            run.metrics.unlink()
+        run, cfg = prepare(config, run_dir=run_dir)
+        schedule = run.read_schedule()
         spec = get_model(cfg.model.name, **cfg.model.config)
         start = 0
     return _run(

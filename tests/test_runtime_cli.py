@@ -1,0 +1,106 @@
+"""`adaptipe train` and `adaptipe prepare` end to end, and the worker under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import adaptipe
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = """
+[model]
+name = "mlp"
+[model.config]
+in_features = 8
+hidden = 16
+depth = 4
+out_features = 4
+num_samples = 128
+[data]
+batch_size = 16
+microbatches = 4
+[optimizer]
+name = "sgd"
+lr = 0.05
+[pipeline]
+stages = 2
+schedule = "gpipe"
+recompute = true
+[train]
+iterations = 4
+checkpoint_every = 2
+threads_per_stage = 1
+"""
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(Path(adaptipe.__file__).parent.parent)
+    return env
+
+
+def test_train_command_prints_a_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    code = main(["train", str(config), "--run-dir", str(tmp_path / "run"), "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["iterations"] == 4 and summary["final_loss"] > 0
+    assert (tmp_path / "run" / "config.toml").read_text() == TINY
+    metrics = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["iteration"] for m in metrics] == [0, 1, 2, 3]
+    assert all(len(m["stages"]) == 2 and m["stages"][0]["compute_s"] > 0 for m in metrics)
+
+
+def test_train_needs_a_config_or_a_run_to_resume(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train"]) == 2
+    assert "CONFIG.toml" in capsys.readouterr().err
+
+
+def test_bad_config_is_refused_with_file_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(TINY.replace("lr = 0.05", "lr = -0.1"))
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}: [optimizer].lr must be > 0 (got -0.1)" in err
+
+
+def test_worker_runs_under_torchrun_after_prepare(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    run_dir = tmp_path / "run"
+    assert main(["prepare", str(config), "--run-dir", str(run_dir)]) == 0
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "adaptipe.runtime.worker",
+            "--run-dir",
+            str(run_dir),
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = ckpt.latest(run_dir / "checkpoints")
+    assert found is not None and found.name == "iter-000004"
