@@ -81,3 +81,14 @@ def test_bad_profiler_arguments_are_clear_errors(kwargs: dict[str, object], mess
 def test_asking_for_cuda_without_a_gpu_says_so() -> None:
     with pytest.raises(PlanError, match="no CUDA device is available"):
         profile_model(_small_mlp(), microbatch=2, device="cuda")
+
+
+def test_optimizer_step_time_is_measured_and_reaches_the_cost_model() -> None:
+    from adaptipe.plan.partition import Partition
+    from adaptipe.sim import CostModel
+
+    prof = profile_model(_small_mlp(), microbatch=4, warmup=0, repeats=2, optimizer="adam")
+    assert all(lp.update_s > 0 for lp in prof.layers)
+    costs = CostModel.from_profile(prof, Partition(model="mlp", num_layers=4, bounds=(0, 1, 4)))
+    assert costs.update_s[0][0] == pytest.approx(prof.layers[0].update_s)
+    assert costs.update_s[0][1] == pytest.approx(sum(lp.update_s for lp in prof.layers[1:]))

@@ -106,6 +106,47 @@ def _time_layer(
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _make_optimizer(params: list[torch.nn.Parameter], optimizer: str) -> torch.optim.Optimizer:
+    # foreach=False: the runtime steps one optimizer per layer the same way.
+    if optimizer == "adam":
+        return torch.optim.Adam(params, lr=1e-3, foreach=False)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    return torch.optim.SGD(
+        params, lr=1e-3, momentum=0.9 if optimizer == "momentum" else 0.0, foreach=False
+    )
+
+
+def _time_update(
+    params: list[torch.nn.Parameter],
+    optimizer: str,
+    *,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+) -> float:
+    """Median time of one optimizer step over a layer's parameters (gradients present)."""
+    if not params:
+        return 0.0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt = _make_optimizer(params, optimizer)
+    times: list[float] = []
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in params]
+        for i in range(warmup + repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        for p, value in zip(params, saved, strict=True):
+            p.copy_(value)  # timing must not change the layer
+    return statistics.median(times)
+
+
 def profile_model(
     spec: ModelSpec,
     *,
@@ -191,6 +232,7 @@ def _profile(
 
         fwd_s, bwd_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=dev)
         params = list(layer.parameters())
+        update_s = _time_update(params, optimizer, warmup=warmup, repeats=repeats, device=dev)
         counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params})
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             out = layer(inp)
@@ -207,6 +249,7 @@ def _profile(
                 param_bytes=param_bytes,
                 optimizer_bytes=param_bytes * state_factor,
                 num_params=sum(p.numel() for p in params),
+                update_s=update_s,
             )
         )
         with torch.no_grad():

@@ -29,6 +29,7 @@ class LayerProfile:
         param_bytes: bytes of the layer's parameters.
         optimizer_bytes: bytes of optimizer state for those parameters.
         num_params: number of parameters.
+        update_s: median time of the optimizer step for those parameters.
     """
 
     name: str
@@ -41,6 +42,7 @@ class LayerProfile:
     param_bytes: int
     optimizer_bytes: int
     num_params: int
+    update_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -118,6 +120,7 @@ class Profile:
                     param_bytes=get_int(raw, "param_bytes", minimum=0, **kw),
                     optimizer_bytes=get_int(raw, "optimizer_bytes", minimum=0, default=0, **kw),
                     num_params=get_int(raw, "num_params", minimum=0, default=0, **kw),
+                    update_s=get_float(raw, "update_s", minimum=0.0, default=0.0, **kw),
                 )
             )
         meta = data.get("meta", {})

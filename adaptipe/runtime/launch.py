@@ -89,8 +89,16 @@ def resolve_plans(config: RunConfig) -> tuple[Partition, Schedule, Profile | Non
         from adaptipe.profile.profiler import profile_model
 
         micro = config.data.batch_size // config.data.microbatches
+        opt = config.optimizer
+        kind = "momentum" if opt.name == "sgd" and opt.momentum > 0 else opt.name
         profile = profile_model(
-            spec, microbatch=micro, repeats=3, warmup=1, threads=1, device=config.train.device
+            spec,
+            microbatch=micro,
+            repeats=3,
+            warmup=1,
+            threads=1,
+            device=config.train.device,
+            optimizer=kind,
         )
         partition = plan(
             profile, planner=p.partition, num_stages=num, bandwidth_Bps=parse_bandwidth(p.bandwidth)

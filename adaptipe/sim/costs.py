@@ -257,13 +257,14 @@ class CostModel:
             model=profile.model, num_layers=profile.num_layers, source="cost model"
         )
         rows: dict[str, list[float]] = {
-            k: [] for k in ("f", "b", "act", "grad", "saved", "inp", "par", "opt")
+            k: [] for k in ("f", "b", "u", "act", "grad", "saved", "inp", "par", "opt")
         }
         for g in range(partition.num_stages):
             layers = [profile.layers[i] for i in partition.layers(g)]
             first = partition.bounds[g]
             rows["f"].append(sum(x.forward_s for x in layers))
             rows["b"].append(sum(x.backward_s for x in layers))
+            rows["u"].append(sum(x.update_s for x in layers))
             rows["act"].append(layers[-1].activation_bytes)
             rows["grad"].append(layers[0].gradient_bytes)
             rows["saved"].append(sum(x.saved_bytes for x in layers))
@@ -275,6 +276,7 @@ class CostModel:
         return cls(
             forward_s=[rows["f"]],
             backward_s=[rows["b"]],
+            update_s=[rows["u"]],
             activation_bytes=[rows["act"]],
             gradient_bytes=[rows["grad"]],
             saved_bytes=[rows["saved"]],
