@@ -283,6 +283,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             run_dir=args.resume if args.resume is not None else args.run_dir,
             resume=args.resume is not None,
             on_iteration=on_iteration,
+            inject=args.inject,
+            inject_seed=args.inject_seed,
         )
     if args.json:
         print(json.dumps(summary.to_json()))
@@ -306,6 +308,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 f"{st['comm_s'] * 1e3:.1f}",
             )
         out.print(table)
+    if summary.jobs:
+        ranking = Table(title="jobs ranked by validation loss")
+        for col in ("rank", "job", "val loss", "train loss"):
+            ranking.add_column(col, justify="left" if col == "job" else "right")
+        for row in summary.jobs:
+            train_loss = "-" if row.get("train_loss") is None else f"{row['train_loss']:.4f}"
+            ranking.add_row(str(row["rank"]), row["name"], f"{row['val_loss']:.4f}", train_loss)
+        out.print(ranking)
     out.print(
         f"run directory: {summary.run_dir}"
         + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
@@ -331,7 +341,10 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
+    from adaptipe.inject import add_inject_parser
     from adaptipe.models import MODEL_NAMES
+    from adaptipe.monitor.live import add_monitor_parser
+    from adaptipe.monitor.report import add_report_parser
     from adaptipe.plan.api import PLANNERS
     from adaptipe.schedule.build import SCHEDULE_NAMES
 
@@ -426,9 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-dir", help="where plans, metrics and checkpoints go (default: from the config)"
     )
+    p.add_argument(
+        "--inject", metavar="SCENARIO", help="run an interference scenario (TOML) alongside"
+    )
+    p.add_argument("--inject-seed", type=int, default=0, help="seed of the scenario's random draws")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=_cmd_train)
+
+    add_inject_parser(sub)
+    add_monitor_parser(sub)
+    add_report_parser(sub)
 
     p = sub.add_parser(
         "prepare", help="write a run's plans without starting workers (for torchrun)"

@@ -26,7 +26,8 @@ def _final_params(run_dir: str) -> dict[str, torch.Tensor]:
 
 def _reference(cfg: RunConfig) -> dict[str, torch.Tensor]:
     spec = get_model(cfg.model.name, **cfg.model.config)
-    partition, schedule, _ = resolve_plans(cfg)
+    plans = resolve_plans(cfg)
+    partition, schedule = plans.partition, plans.schedule
     result = train_reference(
         spec=spec,
         schedule=schedule,

@@ -1,5 +1,5 @@
 """The runtime: stage workers executing a `Schedule` for real over torch.distributed."""
 
-from adaptipe.runtime.launch import StageFailed, TrainSummary, prepare, resolve_plans, train
+from adaptipe.runtime.launch import Plans, StageFailed, TrainSummary, prepare, resolve_plans, train
 
-__all__ = ["StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
+__all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]

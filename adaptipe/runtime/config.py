@@ -59,6 +59,7 @@ from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
 from adaptipe.models.spec import SPLITS, Split
 from adaptipe.plan.api import PLANNERS
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
 from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json
 from adaptipe.units import parse_bandwidth
@@ -75,6 +76,7 @@ __all__ = [
 
 T = TypeVar("T")
 _SECTIONS = ("model", "data", "optimizer", "pipeline", "train")
+_OPTIONAL_SECTIONS = ("sweep",)
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 
@@ -177,6 +179,7 @@ class RunConfig:
     optimizer: OptimizerSection
     pipeline: PipelineSection
     train: TrainSection
+    sweep: SweepSection | None = None
     source: str = "config"
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,7 +188,24 @@ class RunConfig:
         for name in _SECTIONS:
             section = getattr(self, name)
             out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
+        if self.sweep is not None:
+            out["sweep"] = self.sweep.to_dict()
         return out
+
+    @property
+    def jobs(self) -> tuple[JobSpec, ...]:
+        """The job-array: the sweep's jobs, or one job made of the main sections."""
+        if self.sweep is not None:
+            return self.sweep.jobs
+        return (
+            JobSpec(
+                index=0,
+                name="job0",
+                optimizer=self.optimizer,
+                batch_size=self.data.batch_size,
+                seed=self.train.seed,
+            ),
+        )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> RunConfig:
@@ -284,8 +304,9 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
     if not isinstance(data, Mapping):
         raise PlanError(f"{source}: must be a table of sections (got {type(data).__name__})")
     for name in data:
-        if name not in _SECTIONS:
-            raise PlanError(f"{source}: unknown section [{name}] (allowed: {', '.join(_SECTIONS)})")
+        if name not in _SECTIONS + _OPTIONAL_SECTIONS:
+            allowed = ", ".join(_SECTIONS + _OPTIONAL_SECTIONS)
+            raise PlanError(f"{source}: unknown section [{name}] (allowed: {allowed})")
     model, spec = _model(_table(data, "model", ModelSection, source), source)
     raw = _table(data, "pipeline", PipelineSection, source)
     pipeline = _read(
@@ -299,12 +320,25 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
     raw = _table(data, "data", DataSection, source)
     # The data order follows the run's seed unless [data].seed says otherwise.
     seed = {} if "seed" in raw else {"seed": train.seed}
+    data_section = _read(DataSection, raw, source, "data", **seed)
+    optimizer = _optimizer(_table(data, "optimizer", OptimizerSection, source), source)
+    sweep = None
+    if "sweep" in data:
+        sweep = parse_sweep(
+            data["sweep"],
+            source=source,
+            optimizer=optimizer,
+            batch_size=data_section.batch_size,
+            seed=train.seed,
+            parse_optimizer=_optimizer,
+        )
     config = RunConfig(
         model=model,
-        data=_read(DataSection, raw, source, "data", **seed),
-        optimizer=_optimizer(_table(data, "optimizer", OptimizerSection, source), source),
+        data=data_section,
+        optimizer=optimizer,
         pipeline=pipeline,
         train=train,
+        sweep=sweep,
         source=source,
     )
     _check_cross(config, spec)
@@ -397,6 +431,27 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
 def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
     """Checks across sections: everything a run would otherwise trip over after starting."""
     src, data, pipe = config.source, config.data, config.pipeline
+    if config.sweep is not None:
+        # A job-array runs each job's whole mini-batch as one block; its order comes from
+        # the JAPSP solver, not from [pipeline].schedule.
+        if data.microbatches != 1:
+            raise _fail(
+                src, "[data].microbatches", f"must be 1 with a [sweep] (got {data.microbatches})"
+            )
+        if pipe.virtual != 1 or pipe.recompute:
+            raise _fail(
+                src,
+                "[pipeline]",
+                "virtual stages and recompute are not supported with a [sweep] yet",
+            )
+        if pipe.stages > spec.num_layers:
+            raise _fail(
+                src,
+                "[pipeline].stages",
+                f"must be <= the {spec.num_layers} layers of {spec.name!r}",
+            )
+        _check_partition(config, spec, pipe.stages)
+        return
     if data.batch_size % data.microbatches:
         raise _fail(
             src,
@@ -423,6 +478,11 @@ def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
             f"times virtual ({pipe.stages} x {pipe.virtual} = {total}) must be <= the "
             f"{spec.num_layers} layers of model {spec.name!r}",
         )
+    _check_partition(config, spec, total)
+
+
+def _check_partition(config: RunConfig, spec: ModelSpec, total: int) -> None:
+    src, pipe = config.source, config.pipeline
     if pipe.partition in PLANNERS:
         return
     try:

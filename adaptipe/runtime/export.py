@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 import adaptipe.runtime.checkpoint as ckpt
@@ -11,16 +13,17 @@ from adaptipe.errors import PlanError
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.runtime.rundir import RunDir
 
-__all__ = ["load_trained_model"]
+__all__ = ["evaluate_jobs", "load_trained_model", "validation_loss"]
 
 
 def load_trained_model(
-    run_dir: str | Path, *, device: str = "cpu"
+    run_dir: str | Path, *, job: int | None = None, device: str = "cpu"
 ) -> tuple[ModelSpec, nn.Sequential]:
     """The model declaration and its layers with the latest committed parameters.
 
     Checkpoint keys are global layer indices, so the stages' files assemble into one
-    `nn.Sequential` regardless of how the run was partitioned.
+    `nn.Sequential` regardless of how the run was partitioned. For a job-array pass
+    ``job`` (its index in the sweep); a one-job run needs none.
     """
     run = RunDir(run_dir)
     config = run.read_config()
@@ -36,8 +39,55 @@ def load_trained_model(
         num_layers=spec.num_layers,
         source=str(found),
     )
-    model = spec.build_all(seed=config.train.seed, device=device)
+    if config.sweep is not None:
+        if job is None or not 0 <= job < len(config.jobs):
+            raise PlanError(
+                f"{run.root} trained a job-array: pass job=0..{len(config.jobs) - 1} (got {job})"
+            )
+        prefix = f"jobs.{job}."
+        tensors = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    model = spec.build_all(seed=config.jobs[job or 0].seed, device=device)
     for index, layer in enumerate(model):
         ckpt.load_layer_state(index, layer, None, tensors)
     model.eval()
     return spec, model
+
+
+def validation_loss(
+    spec: ModelSpec, model: nn.Module, *, batch_size: int, max_batches: int = 50
+) -> float:
+    """Mean loss over (up to ``max_batches`` batches of) the validation split."""
+    data = spec.dataset(split="val")
+    n = min(len(data) // batch_size, max_batches)
+    if n == 0:
+        raise PlanError(
+            f"the validation split of {spec.name!r} has fewer than {batch_size} samples"
+        )
+    total = 0.0
+    with torch.no_grad():
+        for b in range(n):
+            x, y = data.batch(range(b * batch_size, (b + 1) * batch_size))
+            total += float(spec.loss(model(x), y))
+    return total / n
+
+
+def evaluate_jobs(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every job of a run with its validation loss, best first (the sweep's ranking)."""
+    run = RunDir(run_dir)
+    config = run.read_config()
+    rows: list[dict[str, Any]] = []
+    for job in config.jobs:
+        spec, model = load_trained_model(
+            run_dir, job=job.index if config.sweep is not None else None
+        )
+        rows.append(
+            {
+                "job": job.index,
+                "name": job.name,
+                "val_loss": validation_loss(spec, model, batch_size=job.batch_size),
+            }
+        )
+    rows.sort(key=lambda r: r["val_loss"])
+    for rank, row in enumerate(rows, start=1):
+        row["rank"] = rank
+    return rows

@@ -19,25 +19,32 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import adaptipe
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import AdaptipeError, PlanError
+from adaptipe.inject.injectors import CONTROL_DIR_ENV
 from adaptipe.models import ModelSpec, get_model
+from adaptipe.monitor.collector import Collector
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
 from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.worker import TELEMETRY_ENV
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.schedule.validate import validate
 from adaptipe.serial import load_json_file, write_json
 from adaptipe.units import parse_bandwidth
 
-__all__ = ["StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
+if TYPE_CHECKING:
+    from adaptipe.inject.runner import Event as InjectEvent
+    from adaptipe.inject.scenario import Scenario
+
+__all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
 
 _KILL_GRACE_S = 3.0
 
@@ -56,26 +63,28 @@ class TrainSummary:
     wall_s: float
     stages: list[dict[str, float]] = field(default_factory=list)
     checkpoint: str | None = None
+    jobs: list[dict[str, Any]] = field(default_factory=list)  # sweeps: ranked by validation loss
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def resolve_plans(config: RunConfig) -> tuple[Partition, Schedule, Profile | None]:
+@dataclass(frozen=True, slots=True)
+class Plans:
+    """Everything a run executes, resolved from its config before any worker starts."""
+
+    partition: Partition
+    schedule: Schedule
+    profile: Profile | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # more plan files: name -> JSON
+
+
+def resolve_plans(config: RunConfig) -> Plans:
     """The partition and schedule a config asks for (profiling first if a planner needs it)."""
     spec = get_model(config.model.name, **config.model.config)
     p = config.pipeline
-    schedule = build_schedule(
-        p.schedule,
-        stages=p.stages,
-        microbatches=config.data.microbatches,
-        chunks=p.virtual,
-        recompute=p.recompute,
-        vertical_sync=p.vertical_sync,
-        update_every=p.update_every,
-    )
-    validate(schedule)
-    num = schedule.num_virtual_stages
+    sweep = config.sweep is not None
+    num = p.stages * p.virtual
     profile: Profile | None = None
     where = f"{config.source}: [pipeline].partition"
     if isinstance(p.partition, tuple | list):
@@ -88,12 +97,12 @@ def resolve_plans(config: RunConfig) -> tuple[Partition, Schedule, Profile | Non
         from adaptipe.plan.api import plan
         from adaptipe.profile.profiler import profile_model
 
-        micro = config.data.batch_size // config.data.microbatches
-        opt = config.optimizer
+        job = config.jobs[0]
+        opt = job.optimizer
         kind = "momentum" if opt.name == "sgd" and opt.momentum > 0 else opt.name
         profile = profile_model(
             spec,
-            microbatch=micro,
+            microbatch=job.batch_size // config.data.microbatches,
             repeats=3,
             warmup=1,
             threads=1,
@@ -111,7 +120,21 @@ def resolve_plans(config: RunConfig) -> tuple[Partition, Schedule, Profile | Non
             f"{where}: has {partition.num_stages} stages but the schedule needs {num} "
             f"(stages x virtual = {p.stages} x {p.virtual})"
         )
-    return partition, schedule, profile
+    if sweep:
+        raise PlanError(
+            f"{config.source}: [sweep] needs the JAPSP block-order solvers, which this build does not have yet"
+        )
+    schedule = build_schedule(
+        p.schedule,
+        stages=p.stages,
+        microbatches=config.data.microbatches,
+        chunks=p.virtual,
+        recompute=p.recompute,
+        vertical_sync=p.vertical_sync,
+        update_every=p.update_every,
+    )
+    validate(schedule)
+    return Plans(partition, schedule, profile)
 
 
 def _free_port() -> int:
@@ -178,9 +201,11 @@ class _Follower:
             )
             self.last_end = end
             loss = next((r["loss"] for r in recs.values() if "loss" in r), None)
+            losses = next((r["losses"] for r in recs.values() if "losses" in r), None)
             merged = {
                 "iteration": it,
                 "loss": loss,
+                "losses": losses,
                 "iteration_s": span,
                 "samples_per_s": self.batch_size / span if span > 0 else None,
                 "stages": [
@@ -196,7 +221,14 @@ class _Follower:
         return new
 
 
-def _spawn(run: RunDir, stages: int, *, resume: bool) -> list[subprocess.Popen[bytes]]:
+def _spawn(
+    run: RunDir,
+    stages: int,
+    *,
+    resume: bool,
+    telemetry: str | None,
+    control_dir: Path | None = None,
+) -> list[subprocess.Popen[bytes]]:
     port = _free_port()
     # Workers import exactly the adaptipe this manager imported (a checkout, a link tree
     # or site-packages), whatever their working directory.
@@ -213,6 +245,8 @@ def _spawn(run: RunDir, stages: int, *, resume: bool) -> list[subprocess.Popen[b
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(stages),
             PYTHONPATH=pythonpath,
+            **({TELEMETRY_ENV: telemetry} if telemetry else {}),
+            **({CONTROL_DIR_ENV: str(control_dir)} if control_dir else {}),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         cmd = [sys.executable, "-m", "adaptipe.runtime.worker", "--run-dir", str(run.root)]
@@ -249,9 +283,14 @@ def prepare(
             f"{run.root} already holds a trained run (checkpoint {existing.name}); continue it with "
             f"`adaptipe train --resume {run.root}`, or choose another --run-dir"
         )
-    partition, schedule, profile = resolve_plans(config)
+    plans = resolve_plans(config)
     run.write_plans(
-        config=config, partition=partition, schedule=schedule, profile=profile, config_source=source
+        config=config,
+        partition=plans.partition,
+        schedule=plans.schedule,
+        profile=plans.profile,
+        config_source=source,
+        extra=plans.extra,
     )
     if run.metrics.exists():
         run.metrics.unlink()
@@ -265,6 +304,8 @@ def train(
     resume: bool = False,
     on_iteration: ProgressFn | None = None,
     poll_s: float = 0.05,
+    inject: str | Path | None = None,
+    inject_seed: int = 0,
 ) -> TrainSummary:
     """Train a config over real stage processes; return the summary.
 
@@ -274,6 +315,9 @@ def train(
         resume: continue the run in ``run_dir`` from its latest checkpoint, with the
             resolved config and plans stored there.
         on_iteration: called with each merged metrics record and the total iteration count.
+        inject: an interference scenario (TOML) to run next to training; its clock starts
+            when every worker is ready, and its events join the telemetry stream.
+        inject_seed: seed of the scenario's random draws (Poisson arrivals, kills).
     """
     if resume:
         if run_dir is None:
@@ -301,6 +345,14 @@ def train(
         schedule = run.read_schedule()
         spec = get_model(cfg.model.name, **cfg.model.config)
         start = 0
+    scenario = None
+    if inject is not None:
+        from adaptipe.inject import expand, load_scenario
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        scenario = load_scenario(inject, num_stages=schedule.num_stages, num_cores=cores)
+        if scenario.poisson:
+            scenario = expand(scenario, horizon_s=_SCENARIO_HORIZON_S, seed=inject_seed)
     return _run(
         run,
         cfg,
@@ -310,6 +362,8 @@ def train(
         resume=resume,
         on_iteration=on_iteration,
         poll_s=poll_s,
+        scenario=scenario,
+        inject_seed=inject_seed,
     )
 
 
@@ -323,18 +377,42 @@ def _run(
     resume: bool,
     on_iteration: ProgressFn | None,
     poll_s: float,
+    scenario: Scenario | None = None,
+    inject_seed: int = 0,
 ) -> TrainSummary:
     total = cfg.iterations_total(len(spec.dataset(split=cfg.data.split)))
     run.clear_stage_files()
     follower = _Follower(run, schedule.num_stages, cfg.data.batch_size)
     t0 = time.monotonic()
-    procs = _spawn(run, schedule.num_stages, resume=resume)
+    collector = Collector(jsonl=run.telemetry).start()
+    control_dir = run.root / "inject" if scenario is not None else None
+    procs = _spawn(
+        run,
+        schedule.num_stages,
+        resume=resume,
+        telemetry=collector.address,
+        control_dir=control_dir,
+    )
+    interference = None
+    if scenario is not None:
+        interference = _Interference(
+            scenario, collector.address, run.root / "inject", procs, inject_seed
+        )
     try:
         with run.metrics.open("a") as metrics:
             while True:
-                for rec in follower.poll():
+                new = follower.poll()
+                if (
+                    interference is not None
+                    and not interference.started
+                    and follower.ready >= len(procs)
+                ):
+                    interference.start()
+                for rec in new:
                     metrics.write(json.dumps(rec) + "\n")
                     metrics.flush()
+                    if interference is not None:
+                        interference.on_iteration(rec["iteration"] + 1)
                     if on_iteration is not None:
                         on_iteration(rec, total)
                 codes = [p.poll() for p in procs]
@@ -349,13 +427,85 @@ def _run(
                     break
                 time.sleep(poll_s)
     finally:
+        if interference is not None:
+            interference.stop()
         _stop(procs)
+        collector.close()
     wall = time.monotonic() - t0
     summary = _summarise(
         run, follower.merged, start=start, wall=wall, batch_size=cfg.data.batch_size
     )
+    if cfg.sweep is not None:
+        summary = replace(summary, jobs=_rank_jobs(run, follower.merged))
     write_json(run.summary, summary.to_json())
     return summary
+
+
+def _rank_jobs(run: RunDir, merged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sweep's jobs ranked by validation loss, with their last training loss."""
+    from adaptipe.runtime.export import evaluate_jobs
+
+    last: dict[str, float] = next((r["losses"] for r in reversed(merged) if r.get("losses")), {})
+    rows = evaluate_jobs(run.root)
+    for row in rows:
+        row["train_loss"] = last.get(str(row["job"]))
+    return rows
+
+
+_SCENARIO_HORIZON_S = 24 * 3600.0  # Poisson arrivals are drawn this far ahead
+
+
+class _Interference:
+    """Runs an injection scenario next to training; its events go into the telemetry."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        telemetry: str,
+        control_dir: Path,
+        procs: list[subprocess.Popen[bytes]],
+        seed: int,
+    ) -> None:
+        from adaptipe.inject import ScenarioRunner
+        from adaptipe.monitor.publisher import Publisher
+
+        self.procs = procs
+        self.publisher = Publisher(telemetry, stage=0)
+        self.runner = ScenarioRunner(
+            scenario,
+            on_event=self._event,
+            control_dir=control_dir,
+            kill_stage=self._kill,
+            seed=seed,
+        )
+        self.started = False
+
+    def _event(self, event: InjectEvent) -> None:
+        from adaptipe.monitor.schema import Event
+
+        detail: dict[str, str | int | float | bool | None] = {"injector": event.injector}
+        detail.update(
+            {k: v for k, v in event.detail.items() if isinstance(v, str | int | float | bool)}
+        )
+        self.publisher.publish(
+            Event(kind=event.kind, time_s=time.time(), stage=event.stage, detail=detail)
+        )
+
+    def _kill(self, stage: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.procs[stage].pid, signal.SIGKILL)  # spot preemption of that worker
+
+    def start(self) -> None:
+        self.runner.start()
+        self.started = True
+
+    def on_iteration(self, iteration: int) -> None:
+        if self.started:
+            self.runner.on_iteration(iteration)
+
+    def stop(self) -> None:
+        self.runner.stop()
+        self.publisher.close(linger_s=0.5)
 
 
 def _failure(run: RunDir, stage: int, code: int | None) -> StageFailed:

@@ -8,6 +8,8 @@ RUN_DIR/
   partition.json     the partition used
   schedule.json      the schedule used (all workers' instruction lists)
   metrics.jsonl      one merged record per iteration (loss, samples/s, per-stage times)
+  telemetry.jsonl    every telemetry record the collector accepted (stage stats, device
+                     samples, events)
   summary.json       the final summary
   stages/stage-N.jsonl   what worker N reported, line by line
   logs/stage-N.log       worker N's stdout and stderr
@@ -60,6 +62,10 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def telemetry(self) -> Path:
+        return self.root / "telemetry.jsonl"
+
+    @property
     def summary(self) -> Path:
         return self.root / "summary.json"
 
@@ -92,6 +98,7 @@ class RunDir:
         schedule: Schedule,
         profile: Profile | None,
         config_source: Path | None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         if (
@@ -104,6 +111,8 @@ class RunDir:
         write_json(self.schedule_json, schedule.to_json())
         if profile is not None:
             write_json(self.profile_json, profile.to_json())
+        for name, data in (extra or {}).items():
+            write_json(self.root / name, data)
 
     def write_error(self, stage: int, cause: str, details: str) -> None:
         atomic_write_text(self.error(stage), f"{cause}\n\n{details}")

@@ -16,13 +16,15 @@ parameters' ``.grad`` before the step (dissertation §2.4, §3.2.1).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from adaptipe.runtime.binder import Binder
+from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
 from adaptipe.schedule.types import (
     Backward,
@@ -59,7 +61,13 @@ class IterationStats:
     wait_s: float = 0.0
     comm_s: float = 0.0
     iteration_s: float = 0.0
-    loss: float | None = None
+    loss: float | None = None  # summed over micro-batches (and jobs)
+    losses: dict[int, float] = field(default_factory=dict)  # per job, summed over micro-batches
+    # Per global layer: forward time measured layer by layer; backward time is measured per
+    # chunk and split across its layers in proportion to their forward time (autograd runs
+    # a chunk's backward as one call).
+    layer_forward_s: dict[int, float] = field(default_factory=dict)
+    layer_backward_s: dict[int, float] = field(default_factory=dict)
     max_in_flight: int = 0
 
 
@@ -81,7 +89,10 @@ class StageExecutor:
         loss_fn: ``loss(output, target)``, mean over the micro-batch.
         loss_scale: factor applied to each micro-batch loss before backward.
         transport: the point-to-point transport.
-        boundary_specs: ``boundary_specs[b]`` is what crosses boundary ``b`` (1..G-1).
+        boundary_specs: ``boundary_specs[(job, b)]`` is what crosses boundary ``b``
+            (1..G-1) for ``job`` (jobs of an array may differ in batch size).
+        binder: per-job layer states of a job-array; ``None`` for one job, whose
+            parameters live in the slots' modules.
     """
 
     def __init__(
@@ -93,7 +104,9 @@ class StageExecutor:
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         loss_scale: float,
         transport: P2PTransport,
-        boundary_specs: dict[int, TensorSpec],
+        boundary_specs: dict[tuple[int, int], TensorSpec],
+        binder: Binder | None = None,
+        memory: MemoryManager | None = None,
     ) -> None:
         self.schedule = schedule
         self.stage = stage
@@ -102,12 +115,23 @@ class StageExecutor:
         self.loss_scale = loss_scale
         self.transport = transport
         self.boundary_specs = boundary_specs
+        self.binder = binder
+        self.memory = memory  # job-arrays with fewer resident states than jobs
+        if binder is not None and schedule.weights != "sync":
+            raise ValueError(
+                f"job-arrays run synchronous schedules (got weights={schedule.weights!r})"
+            )
+        self.chunk_layers = [[slot.index for slot in chunk] for chunk in chunks]
         self.program: tuple[Instruction, ...] = schedule.stages[stage]
         self.num_vstages = schedule.num_virtual_stages
         self.versioned = schedule.weights != "sync"
         self.steps_done = 0  # optimizer steps applied so far (global weight version)
         self._snapshots: dict[int, list[list[dict[str, Tensor]]]] = {}
-        self._receives = self._plan_receives()
+        self._receives = self._plan_receives() if boundary_specs else []
+        self._layer_fwd: dict[int, float] = {}
+        self._layer_bwd: dict[int, float] = {}
+        # Injected interference: compute takes `slowdown` times as long (1.0 = none).
+        self.slowdown = 1.0
         self._versions_after = self._versions_needed_after() if self.versioned else []
 
     # ------------------------------------------------------------------ planning
@@ -120,10 +144,10 @@ class StageExecutor:
             match ins:
                 case RecvActivation(job=j, microbatch=m, chunk=c, peer=p):
                     b = self._vstage(c)
-                    out.append((TransferKey(j, m, b, ACTIVATION), p, self.boundary_specs[b]))
+                    out.append((TransferKey(j, m, b, ACTIVATION), p, self.boundary_specs[(j, b)]))
                 case RecvGradient(job=j, microbatch=m, chunk=c, peer=p):
                     b = self._vstage(c) + 1
-                    out.append((TransferKey(j, m, b, GRADIENT), p, self.boundary_specs[b]))
+                    out.append((TransferKey(j, m, b, GRADIENT), p, self.boundary_specs[(j, b)]))
                 case _:
                     pass
         return out
@@ -164,24 +188,65 @@ class StageExecutor:
             self._snapshots[version] = snap
         return snap
 
-    def _run_chunk(self, chunk: int, x: Tensor, params: list[dict[str, Tensor]] | None) -> Tensor:
+    def set_boundary_specs(self, specs: dict[tuple[int, int], TensorSpec]) -> None:
+        """Install the negotiated boundary shapes (after `forward_only` found them)."""
+        self.boundary_specs = specs
+        self._receives = self._plan_receives()
+
+    def forward_only(self, job: int, chunk: int, x: Tensor) -> Tensor:
+        """Run a chunk for ``job`` with its current weights (shape inference, evaluation)."""
+        if self.memory is not None:
+            self.memory.ensure_resident(job)
+        out = self._run(job, chunk, x, None)
+        self._layer_fwd = {}
+        return out
+
+    def _run(
+        self, job: int, chunk: int, x: Tensor, params: list[dict[str, Tensor]] | None
+    ) -> Tensor:
+        """Forward through a chunk's layers, timing each (job-arrays through the binder)."""
+        times = self._layer_fwd
         for i, slot in enumerate(self.chunks[chunk]):
-            x = slot.module(x) if params is None else functional_call(slot.module, params[i], (x,))
+            t0 = time.perf_counter()
+            if self.binder is not None:
+                x = self.binder.run(job, (slot.index,), x)
+            elif params is None:
+                x = slot.module(x)
+            else:
+                x = functional_call(slot.module, params[i], (x,))
+            times[slot.index] = times.get(slot.index, 0.0) + time.perf_counter() - t0
         return x
 
+    def _slow(self, elapsed: float) -> float:
+        """Stretch a compute step by the injected slowdown; return its total time."""
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * elapsed)
+            return elapsed * self.slowdown
+        return elapsed
+
+    def _split_backward(self, chunk: int, seconds: float) -> None:
+        layers = self.chunk_layers[chunk]
+        fwd = [self._layer_fwd.get(i, 0.0) for i in layers]
+        total = sum(fwd)
+        for i, f in zip(layers, fwd, strict=True):
+            share = f / total if total > 0 else 1.0 / len(layers)
+            self._layer_bwd[i] = self._layer_bwd.get(i, 0.0) + seconds * share
+
     # ------------------------------------------------------------------ execution
-    def run_iteration(self, iteration: int, microbatches: MicroBatches) -> IterationStats:
+    def run_iteration(self, iteration: int, microbatches: Sequence[MicroBatches]) -> IterationStats:
         """Execute the instruction list once.
 
         Args:
             iteration: global iteration index (window index for asynchronous schedules).
-            microbatches: per micro-batch ``(input, target)``; input is used by the worker
-                holding virtual stage 0, target by the one holding the last (else None).
+            microbatches: per job, per micro-batch ``(input, target)``; input is used by
+                the worker holding virtual stage 0, target by the one holding the last.
         """
         stats = IterationStats()
         t_start = time.perf_counter()
         transport = self.transport
         transport.start_iteration(iteration, self._receives)
+        if self.memory is not None:
+            self.memory.begin_iteration()
         # Asynchronous windows drain completely, so version 0 of this window's
         # instructions is whatever the weights are now.
         base = self.steps_done
@@ -190,8 +255,9 @@ class StageExecutor:
         grads_out: dict[tuple[int, int, int], Tensor] = {}
         outputs: dict[tuple[int, int, int], Tensor] = {}
         received_grads: dict[tuple[int, int, int], Tensor] = {}
-        loss_sum = 0.0
-        has_loss = False
+        losses: dict[int, float] = {}
+        self._layer_fwd = {}
+        self._layer_bwd = {}
         recompute = self.schedule.recompute
         last_vstage = self.num_vstages - 1
         compute = 0.0
@@ -217,44 +283,49 @@ class StageExecutor:
                         grads_out.pop((j, m, c)), p, TransferKey(j, m, self._vstage(c), GRADIENT)
                     )
                 case Forward(job=j, microbatch=m, chunk=c, version=v):
+                    if self.memory is not None:
+                        self.memory.before_block(j)
                     t0 = time.perf_counter()
                     key = (j, m, c)
                     g = self._vstage(c)
-                    x = microbatches[m][0] if g == 0 else inputs.pop(key)
+                    x = microbatches[j][m][0] if g == 0 else inputs.pop(key)
                     assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
                     if x.is_floating_point() and g > 0:
                         x.requires_grad_(True)
                     params = self._snapshot(base + v)[c] if self.versioned else None
                     with torch.set_grad_enabled(not recompute):
-                        out = self._run_chunk(c, x, params)
+                        out = self._run(j, c, x, params)
                         if g == last_vstage:
-                            target = microbatches[m][1]
+                            target = microbatches[j][m][1]
                             assert target is not None, (
                                 f"stage {self.stage}: no target for micro-batch {m}"
                             )
                             loss = self.loss_fn(out, target)
-                            loss_sum += float(loss.detach())
-                            has_loss = True
+                            losses[j] = losses.get(j, 0.0) + float(loss.detach())
                             out = loss * self.loss_scale
                         else:
                             outputs[key] = out.detach()
                     stash[key] = _Stashed(inp=x, out=None if recompute else out, version=base + v)
                     stats.max_in_flight = max(stats.max_in_flight, len(stash))
-                    compute += time.perf_counter() - t0
+                    compute += self._slow(time.perf_counter() - t0)
                 case Recompute(job=j, microbatch=m, chunk=c):
+                    if self.memory is not None:
+                        self.memory.before_block(j)
                     t0 = time.perf_counter()
                     st = stash[(j, m, c)]
                     g = self._vstage(c)
                     params = self._snapshot(st.version)[c] if self.versioned else None
                     with torch.enable_grad():
-                        out = self._run_chunk(c, st.inp, params)
+                        out = self._run(j, c, st.inp, params)
                         if g == last_vstage:
-                            target = microbatches[m][1]
+                            target = microbatches[j][m][1]
                             assert target is not None
                             out = self.loss_fn(out, target) * self.loss_scale
                     st.out = out
-                    compute += time.perf_counter() - t0
+                    compute += self._slow(time.perf_counter() - t0)
                 case Backward(job=j, microbatch=m, chunk=c):
+                    if self.memory is not None:
+                        self.memory.before_block(j)
                     t0 = time.perf_counter()
                     key = (j, m, c)
                     st = stash.pop(key)
@@ -270,16 +341,27 @@ class StageExecutor:
                         grads_out[key] = st.inp.grad
                     if self.versioned:
                         self._move_grads(c, self._snapshots[st.version][c])
-                    compute += time.perf_counter() - t0
+                    elapsed = time.perf_counter() - t0
+                    self._split_backward(c, elapsed)
+                    compute += self._slow(elapsed)
+                case OptimizerStep(job=j) if self.binder is not None:
+                    t0 = time.perf_counter()
+                    self.binder.step(j)
+                    compute += self._slow(time.perf_counter() - t0)
+                    if self.memory is not None:
+                        self.memory.after_step(j)
                 case OptimizerStep():
                     t0 = time.perf_counter()
                     self._step(pos, base)
-                    compute += time.perf_counter() - t0
+                    compute += self._slow(time.perf_counter() - t0)
         transport.flush()
         self._snapshots.clear()
         stats.wait_s, stats.comm_s = transport.take_times()
         stats.compute_s = compute
-        stats.loss = loss_sum if has_loss else None
+        stats.losses = losses
+        stats.layer_forward_s = self._layer_fwd
+        stats.layer_backward_s = self._layer_bwd
+        stats.loss = sum(losses.values()) if losses else None
         stats.iteration_s = time.perf_counter() - t_start
         return stats
 

@@ -122,6 +122,8 @@ class P2PTransport:
         self.wait_s = 0.0
         self.comm_s = 0.0
         self.bytes_sent = 0
+        # Injected link throttle: (extra latency s, bandwidth B/s) applied to each send.
+        self.throttle: tuple[float, float] | None = None
         self.bytes_received = 0
         if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= 2**31:
             raise ValueError("too many transfers per iteration to tag uniquely")
@@ -169,6 +171,9 @@ class P2PTransport:
     def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None:
         """Post a non-blocking send; the tensor is kept alive until it completes."""
         t0 = time.perf_counter()
+        if self.throttle is not None:
+            latency, bandwidth = self.throttle
+            time.sleep(latency + tensor.numel() * tensor.element_size() / bandwidth)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))

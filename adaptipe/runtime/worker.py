@@ -13,8 +13,10 @@ exiting non-zero, so the manager can name the stage and the cause.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -27,16 +29,25 @@ import torch
 import torch.distributed as dist
 
 import adaptipe.runtime.checkpoint as ckpt
-from adaptipe.models import ModelSpec, get_model
+from adaptipe.inject.injectors import CONTROL_DIR_ENV, read_slowdowns, read_throttles
+from adaptipe.models import get_model
+from adaptipe.monitor.publisher import Publisher
+from adaptipe.monitor.schema import StageStats
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.data import BatchStream, loss_scale, split_microbatches
+from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.stage import LayerSlot, StageExecutor
+from adaptipe.runtime.stage import IterationStats, StageExecutor
+from adaptipe.runtime.stagestate import StageState, build_stage
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, recv_spec, send_spec
 from adaptipe.schedule.types import Schedule
 
 __all__ = ["FAULT_ENV", "InjectedFault", "main", "run_worker"]
+
+TELEMETRY_ENV = "ADAPTIPE_TELEMETRY"
+"""The manager's collector address (ZeroMQ); workers publish telemetry there."""
+TELEMETRY_INTERVAL_ENV = "ADAPTIPE_TELEMETRY_INTERVAL_S"
 
 FAULT_ENV = "ADAPTIPE_INJECT_FAULT"
 """``STAGE:ITERATION``: that stage raises `InjectedFault` when it reaches that iteration.
@@ -88,78 +99,53 @@ def _backend(config: RunConfig, device: torch.device) -> str:
 
 
 def _negotiate_shapes(
-    chunks: list[list[LayerSlot]],
+    executor: StageExecutor,
     schedule: Schedule,
     rank: int,
-    first_input: TensorSpec | None,
+    first_inputs: dict[int, TensorSpec],
     device: torch.device,
-) -> dict[int, TensorSpec]:
-    """Pass boundary shapes down the pipeline; each worker infers its chunks' outputs.
+) -> dict[tuple[int, int], TensorSpec]:
+    """Pass boundary shapes down the pipeline, job by job; each worker infers its own.
 
     The output of a chunk is found by running its real layers once, without autograd,
     on a zero input of the negotiated shape (zeros are valid token ids too). That is
     exact for the device and dtype in use, and costs one micro-batch forward.
     """
-    out: dict[int, TensorSpec] = {}
+    out: dict[tuple[int, int], TensorSpec] = {}
     last = schedule.num_virtual_stages - 1
-    for chunk, slots in enumerate(chunks):
-        g = schedule.vstage(rank, chunk)
-        if g == 0:
-            assert first_input is not None
-            in_spec = first_input
-        else:
-            in_spec = recv_spec(schedule.place(g - 1)[0])
-            out[g] = in_spec
-        if g < last:
-            with torch.no_grad():
-                y = torch.zeros(in_spec.shape, dtype=in_spec.dtype, device=device)
-                for slot in slots:
-                    y = slot.module(y)
-            out_spec = TensorSpec(tuple(y.shape), y.dtype)
-            send_spec(out_spec, schedule.place(g + 1)[0])
-            out[g + 1] = out_spec
+    for job in range(schedule.num_jobs):
+        for chunk in range(schedule.num_chunks):
+            g = schedule.vstage(rank, chunk)
+            if g == 0:
+                in_spec = first_inputs[job]
+            else:
+                in_spec = recv_spec(schedule.place(g - 1)[0])
+                out[(job, g)] = in_spec
+            if g < last:
+                with torch.no_grad():
+                    x = torch.zeros(in_spec.shape, dtype=in_spec.dtype, device=device)
+                    y = executor.forward_only(job, chunk, x)
+                out_spec = TensorSpec(tuple(y.shape), y.dtype)
+                send_spec(out_spec, schedule.place(g + 1)[0])
+                out[(job, g + 1)] = out_spec
     return out
-
-
-def _build_chunks(
-    spec: ModelSpec,
-    partition: Partition,
-    schedule: Schedule,
-    rank: int,
-    config: RunConfig,
-    device: torch.device,
-) -> list[list[LayerSlot]]:
-    chunks: list[list[LayerSlot]] = []
-    for chunk in range(schedule.num_chunks):
-        slots = []
-        for i in partition.layers(schedule.vstage(rank, chunk)):
-            module = spec.build_layer(i, seed=config.train.seed, device=device)
-            params = list(module.parameters())
-            slots.append(LayerSlot(i, module, config.optimizer.build(params) if params else None))
-        chunks.append(slots)
-    return chunks
 
 
 def _save_checkpoint(
     run: RunDir,
-    executor: StageExecutor,
+    state: StageState,
     *,
     iteration: int,
+    steps: int,
     rank: int,
     world: int,
     config: RunConfig,
     num_layers: int,
 ) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    for slot in executor.slots():
-        tensors.update(ckpt.layer_state(slot.index, slot.module, slot.optimizer))
-    meta: dict[str, Any] = {
-        "iteration": iteration,
-        "stage": rank,
-        "layers": [s.index for s in executor.slots()],
-    }
-    directory = run.checkpoint_dir(iteration)
-    ckpt.save_stage(directory, stage=rank, tensors=tensors, meta=meta)
+    if state.memory is not None:
+        state.memory.synchronize()  # offloaded states are complete before they are saved
+    meta: dict[str, Any] = {"iteration": iteration, "stage": rank, "layers": state.layers()}
+    ckpt.save_stage(run.checkpoint_dir(iteration), stage=rank, tensors=state.tensors(), meta=meta)
     dist.barrier()
     if rank == 0:
         ckpt.commit(
@@ -170,7 +156,8 @@ def _save_checkpoint(
                 "model": config.model.name,
                 "model_config": dict(config.model.config),
                 "num_layers": num_layers,
-                "steps": executor.steps_done,
+                "jobs": [job.name for job in config.jobs],
+                "steps": steps,
             },
         )
         if config.train.keep_checkpoints > 0:
@@ -226,7 +213,8 @@ def _train(
     resume: bool,
 ) -> None:
     spec = get_model(config.model.name, **config.model.config)
-    chunks = _build_chunks(spec, partition, schedule, rank, config, device)
+    state = build_stage(spec, partition, schedule, rank, config, device)
+    jobs = config.jobs
     start = 0
     steps = 0
     if resume:
@@ -240,47 +228,60 @@ def _train(
                 num_layers=spec.num_layers,
                 source=str(found),
             )
-            for slot in (s for c in chunks for s in c):
-                ckpt.load_layer_state(slot.index, slot.module, slot.optimizer, tensors)
+            state.load(tensors)
             start = int(meta["iteration"])
             steps = int(meta.get("meta", {}).get("steps", 0))
     last = schedule.num_virtual_stages - 1
     holds_first = schedule.place(0)[0] == rank
     holds_last = schedule.place(last)[0] == rank
     dataset = spec.dataset(split=config.data.split)
-    stream = (
-        BatchStream(
-            dataset, batch_size=config.data.batch_size, seed=config.data.seed, start_iteration=start
-        )
+    m = schedule.num_microbatches
+    # Each job reads its own data stream: its batch size, and (in a sweep) its seed.
+    streams = (
+        [
+            BatchStream(
+                dataset,
+                batch_size=job.batch_size,
+                seed=config.data.seed if config.sweep is None else job.seed,
+                start_iteration=start,
+            )
+            for job in jobs
+        ]
         if holds_first or holds_last
-        else None
+        else []
     )
-    micro = config.data.batch_size // config.data.microbatches
-    first_input = None
+    first_inputs: dict[int, TensorSpec] = {}
     if holds_first:
-        sample = dataset.sample_input(micro)
-        first_input = TensorSpec(tuple(sample.shape), sample.dtype)
-    specs = _negotiate_shapes(chunks, schedule, rank, first_input, device)
+        for job in jobs:
+            sample = dataset.sample_input(job.batch_size // m)
+            first_inputs[job.index] = TensorSpec(tuple(sample.shape), sample.dtype)
+    state.memory = _memory_manager(config, state, schedule, rank, device)
     transport = P2PTransport(
         rank=rank,
         device=device,
         num_boundaries=schedule.num_virtual_stages,
-        num_microbatches=schedule.num_microbatches,
+        num_microbatches=m,
         num_jobs=schedule.num_jobs,
     )
     executor = StageExecutor(
         schedule=schedule,
         stage=rank,
-        chunks=chunks,
+        chunks=state.chunks,
         loss_fn=spec.loss,
         loss_scale=loss_scale(schedule.update_every),
         transport=transport,
-        boundary_specs=specs,
+        boundary_specs={},
+        binder=state.binder,
+        memory=state.memory,
     )
+    executor.set_boundary_specs(_negotiate_shapes(executor, schedule, rank, first_inputs, device))
     executor.steps_done = steps
     total = config.iterations_total(len(dataset))
     every = config.train.checkpoint_every
-    with run.stage_metrics(rank).open("a") as log:
+    publisher = _telemetry(rank)
+    with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
+        if publisher is not None:
+            cleanup.callback(publisher.close, linger_s=0.5)
         _log(
             log,
             {
@@ -294,19 +295,22 @@ def _train(
         )
         dist.barrier()
         fault_at = _injected_fault(rank)
+        control_dir = os.environ.get(CONTROL_DIR_ENV)
         for it in range(start, total):
             if it == fault_at:
                 raise InjectedFault(f"fault injected at iteration {it} ({FAULT_ENV})")
-            mbs: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-            if stream is not None:
+            if control_dir:
+                _apply_interference(control_dir, rank, executor, transport)
+            per_job: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
+            for stream in streams:
                 x, y = next(stream)
-                pairs = split_microbatches(x.to(device), y.to(device), schedule.num_microbatches)
-                mbs = [
-                    (xi if holds_first else None, yi if holds_last else None) for xi, yi in pairs
-                ]
-            else:
-                mbs = [(None, None)] * schedule.num_microbatches
-            stats = executor.run_iteration(it, mbs)
+                pairs = split_microbatches(x.to(device), y.to(device), m)
+                per_job.append(
+                    [(xi if holds_first else None, yi if holds_last else None) for xi, yi in pairs]
+                )
+            if not streams:
+                per_job = [[(None, None)] * m for _ in jobs]
+            stats = executor.run_iteration(it, per_job)
             record: dict[str, Any] = {
                 "iteration": it,
                 "stage": rank,
@@ -317,15 +321,20 @@ def _train(
                 "in_flight": stats.max_in_flight,
                 "end_time": time.time(),
             }
-            if stats.loss is not None:
-                record["loss"] = stats.loss / schedule.num_microbatches
+            if stats.losses:
+                # Mean loss of each job's mini-batch; "loss" is the mean over the jobs.
+                record["losses"] = {str(j): v / m for j, v in stats.losses.items()}
+                record["loss"] = sum(stats.losses.values()) / m / len(stats.losses)
             _log(log, record)
+            if publisher is not None:
+                publisher.publish(_stage_stats(run, rank, it, stats, state.chunks, device))
             done = it + 1
             if (every > 0 and done % every == 0) or done == total:
                 _save_checkpoint(
                     run,
-                    executor,
+                    state,
                     iteration=done,
+                    steps=executor.steps_done,
                     rank=rank,
                     world=world,
                     config=config,
@@ -333,6 +342,80 @@ def _train(
                 )
                 _log(log, {"event": "checkpoint", "stage": rank, "iteration": done})
         _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
+
+
+def _memory_manager(
+    config: RunConfig, state: StageState, schedule: Schedule, rank: int, device: torch.device
+) -> MemoryManager | None:
+    """A memory manager when the sweep keeps fewer job states resident than it has jobs."""
+    budget = config.sweep.memory_budget if config.sweep is not None else 0
+    if state.binder is None or not 0 < budget < len(config.jobs):
+        return None
+    return MemoryManager(
+        state.binder, budget=budget, device=device, order=block_order(schedule.stages[rank])
+    )
+
+
+def _apply_interference(
+    control_dir: str, rank: int, executor: StageExecutor, transport: P2PTransport
+) -> None:
+    """Apply the injected slowdown and link throttle active now (scenario control files)."""
+    executor.slowdown = read_slowdowns(control_dir).get(rank, 1.0)
+    throttle = read_throttles(control_dir).get(rank)
+    transport.throttle = (
+        None if throttle is None else (throttle.extra_latency_s, throttle.bandwidth_Bps)
+    )
+
+
+def _telemetry(rank: int) -> Publisher | None:
+    """Publish to the manager's collector when it gave an address (non-blocking sends)."""
+    address = os.environ.get(TELEMETRY_ENV)
+    if not address:
+        return None
+    publisher = Publisher(address, stage=rank)
+    interval = float(os.environ.get(TELEMETRY_INTERVAL_ENV, "0.2"))
+    publisher.start_sampler(
+        interval_s=interval,
+        device_index=torch.cuda.current_device() if torch.cuda.is_available() else None,
+    )
+    return publisher
+
+
+def _memory(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS, KiB on Linux
+    return rss, rss
+
+
+def _stage_stats(
+    run: RunDir,
+    rank: int,
+    it: int,
+    stats: IterationStats,
+    chunks: list[list[Any]],
+    device: torch.device,
+) -> StageStats:
+    layers = [slot.index for chunk in chunks for slot in chunk]
+    contiguous = layers == list(range(layers[0], layers[0] + len(layers))) if layers else False
+    allocated, reserved = _memory(device)
+    return StageStats(
+        run_id=run.root.name,
+        stage=rank,
+        iteration=it,
+        time_s=time.time(),
+        first_layer=layers[0] if contiguous else 0,
+        forward_s=tuple(stats.layer_forward_s.get(i, 0.0) for i in layers) if contiguous else (),
+        backward_s=tuple(stats.layer_backward_s.get(i, 0.0) for i in layers) if contiguous else (),
+        compute_s=stats.compute_s,
+        wait_s=stats.wait_s,
+        comm_s=stats.comm_s,
+        iteration_s=stats.iteration_s,
+        in_flight=stats.max_in_flight,
+        memory_allocated_bytes=allocated,
+        memory_reserved_bytes=reserved,
+        loss=stats.loss,
+    )
 
 
 def _log(fh: TextIO, record: dict[str, Any]) -> None:

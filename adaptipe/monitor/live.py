@@ -1,0 +1,525 @@
+"""``adaptipe monitor``: a live terminal view of a run's telemetry, one row per stage.
+
+Two sources:
+
+* a run directory: ``telemetry.jsonl`` and ``metrics.jsonl`` are followed as they grow
+  (only complete lines are read; a line still being written waits for the next look), or
+  a finished run is played back in its own time with ``--replay``.
+* an address, ``tcp://127.0.0.1:5555``: a standalone :class:`Collector` is *bound* there.
+  Workers PUSH to one collector and a PULL socket cannot be shared, so this cannot attach
+  to a run that ``adaptipe train`` launched (watch its run directory instead); it is for
+  workers started by hand (torchrun) with ``ADAPTIPE_TELEMETRY`` pointing at the address.
+
+Every line of the run directory's files is checked with :func:`schema.decode`; bad lines
+are skipped and counted under their reason, and the count is shown. :func:`render` turns
+a :class:`MonitorState` into a table and does no I/O, so it is tested on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from adaptipe.errors import PlanError
+from adaptipe.monitor.schema import (
+    MAX_FRAME_BYTES,
+    DeviceSample,
+    Event,
+    Record,
+    StageStats,
+    TelemetryError,
+    decode,
+)
+from adaptipe.units import format_bytes
+
+__all__ = [
+    "JsonlTail",
+    "MonitorState",
+    "RunFollower",
+    "RunLog",
+    "add_monitor_parser",
+    "load_run",
+    "render",
+    "run_monitor_command",
+]
+
+TELEMETRY, METRICS, SUMMARY = "telemetry.jsonl", "metrics.jsonl", "summary.json"
+_MAX_LINE = 4 * MAX_FRAME_BYTES  # a longer "line" is garbage: drop it rather than buffer it
+
+
+class JsonlTail:
+    """The complete lines appended to a JSON-lines file since the last :meth:`read`.
+
+    A file that shrank was replaced (a new run): it is read again from its start.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.oversized = 0  # lines dropped for exceeding _MAX_LINE
+        self._partial = b""
+        self._dropping = False  # inside an oversized line: skip to its newline
+
+    def read(self) -> list[bytes]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < self.offset:
+            self.offset, self._partial, self._dropping = 0, b"", False
+        if size == self.offset:
+            return []
+        with self.path.open("rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read(size - self.offset)
+        self.offset += len(data)
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if self._dropping and lines:
+            lines.pop(0)
+            self._dropping = False
+        if len(self._partial) > _MAX_LINE:
+            self.oversized += 1
+            self._partial, self._dropping = b"", True
+        return [line for line in lines if line.strip()]
+
+    def rest(self) -> bytes:
+        """The last line when it has no newline yet (of a finished file: a cut-off line)."""
+        rest, self._partial = self._partial, b""
+        return rest if rest.strip() else b""
+
+
+def _metrics_record(line: bytes) -> dict[str, Any] | None:
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    ok = (
+        isinstance(rec, dict)
+        and isinstance(rec.get("iteration"), int)
+        and isinstance(rec.get("stages"), list)
+        and all(isinstance(s, dict) for s in rec["stages"])
+    )
+    return rec if ok else None
+
+
+class RunFollower:
+    """Follows a run directory's telemetry and metrics, checking every line."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._tails = {TELEMETRY: JsonlTail(root / TELEMETRY), METRICS: JsonlTail(root / METRICS)}
+        #: bad lines per file and reason (a TelemetryError reason, or "malformed")
+        self.skipped: dict[str, Counter[str]] = {TELEMETRY: Counter(), METRICS: Counter()}
+
+    def poll(self, *, final: bool = False) -> tuple[list[Record], list[dict[str, Any]]]:
+        """New records and metrics; ``final`` also takes a last line that has no newline."""
+        lines = {name: tail.read() for name, tail in self._tails.items()}
+        for name, tail in self._tails.items():
+            if final and (rest := tail.rest()):
+                lines[name].append(rest)
+            if tail.oversized:
+                self.skipped[name]["oversized"] += tail.oversized
+                tail.oversized = 0
+        records: list[Record] = []
+        for line in lines[TELEMETRY]:
+            try:
+                records.append(decode(line.strip()))
+            except TelemetryError as exc:
+                self.skipped[TELEMETRY][exc.reason] += 1
+        metrics: list[dict[str, Any]] = []
+        for line in lines[METRICS]:
+            rec = _metrics_record(line)
+            if rec is None:
+                self.skipped[METRICS]["malformed"] += 1
+            else:
+                metrics.append(rec)
+        return records, metrics
+
+    def skipped_note(self) -> str:
+        return skipped_note(self.skipped)
+
+
+def skipped_note(skipped: dict[str, Counter[str]]) -> str:
+    """``Skipped 3 bad line(s): telemetry.jsonl 2 malformed, 1 bad-field``, or ''."""
+    parts = []
+    for name, counts in skipped.items():
+        reasons = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()) if n)
+        if reasons:
+            parts.append(f"{name} {reasons}")
+    total = sum(sum(c.values()) for c in skipped.values())
+    return f"Skipped {total} bad line(s): " + "; ".join(parts) if total else ""
+
+
+@dataclass(slots=True)
+class RunLog:
+    """What a run directory's logs hold, every line checked (see :func:`load_run`)."""
+
+    root: Path
+    records: list[Record]
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+    skipped: dict[str, Counter[str]]
+
+
+def check_run_dir(root: Path) -> None:
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        raise PlanError(f"{root}: {what} (expected the run directory of a training run)")
+
+
+def _require(path: Path, lines: int, valid: int) -> None:
+    if not path.exists():
+        raise PlanError(f"{path}: not found (a run directory gets it when training starts)")
+    if lines == 0:
+        raise PlanError(f"{path}: is empty (no iteration finished yet?)")
+    if valid == 0:
+        raise PlanError(f"{path}: none of its {lines} line(s) is a valid record")
+
+
+def load_run(root: str | Path, *, need: Iterable[str] = (TELEMETRY,), final: bool = True) -> RunLog:
+    """Read a run directory's telemetry, metrics and summary, skipping bad lines.
+
+    ``final``: the run has ended, so a last line without a newline is a cut-off (bad)
+    line; a running run's last line may still be being written and is left out.
+
+    Raises:
+        PlanError: ``root`` is not a directory, or a file in ``need`` is missing, empty
+            or holds no valid line; the message names the path.
+    """
+    root = Path(root)
+    check_run_dir(root)
+    follower = RunFollower(root)
+    records, metrics = follower.poll(final=final)
+    for name in need:
+        valid = len(records) if name == TELEMETRY else len(metrics)
+        _require(root / name, valid + sum(follower.skipped[name].values()), valid)
+    summary = None
+    if (root / SUMMARY).is_file():
+        try:
+            data = json.loads((root / SUMMARY).read_text())
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"{root / SUMMARY}: not valid JSON ({exc})") from None
+        summary = data if isinstance(data, dict) else None
+    return RunLog(root, records, metrics, summary, follower.skipped)
+
+
+@dataclass(slots=True)
+class MonitorState:
+    """What the view shows: the last ``window`` iterations per stage and recent events."""
+
+    window: int = 20
+    source: str = ""
+    max_events: int = 5
+    run_id: str | None = None
+    t0: float | None = None
+    stats: dict[int, deque[StageStats]] = field(default_factory=dict)
+    devices: dict[int, DeviceSample] = field(default_factory=dict)
+    events: deque[Event] = field(default_factory=deque)
+    metrics: deque[dict[str, Any]] = field(default_factory=deque)
+    skipped: str = ""  # a note on skipped lines or rejected frames
+    status: str = ""  # e.g. "finished", "waiting for workers"
+
+    def add(self, record: Record) -> None:
+        self.t0 = record.time_s if self.t0 is None else min(self.t0, record.time_s)
+        match record:
+            case StageStats():
+                self.run_id = record.run_id
+                ring = self.stats.setdefault(record.stage, deque(maxlen=self.window))
+                ring.append(record)
+            case DeviceSample():
+                self.devices[record.stage] = record
+            case Event():
+                self.events.append(record)
+                while len(self.events) > self.max_events:
+                    self.events.popleft()
+            case _:  # links are not shown yet
+                pass
+
+    def add_metrics(self, rec: dict[str, Any]) -> None:
+        self.metrics.append(rec)
+        while len(self.metrics) > self.window:
+            self.metrics.popleft()
+
+    def header(self) -> str:
+        parts = [f"run {self.run_id or '?'}"]
+        latest = [ring[-1] for ring in self.stats.values() if ring]
+        iteration: int | None = max((s.iteration for s in latest), default=None)
+        loss = next((s.loss for s in latest if s.loss is not None), None)
+        if self.metrics:
+            iteration = self.metrics[-1]["iteration"]
+            loss = _num(self.metrics[-1].get("loss"))
+        parts.append(f"iteration {iteration if iteration is not None else '-'}")
+        parts.append(f"loss {loss:.4f}" if loss is not None else "loss -")
+        # samples over seconds of the window: sum(sps_i * t_i) / sum(t_i)
+        timed = [(_num(m.get("samples_per_s")), _num(m.get("iteration_s"))) for m in self.metrics]
+        pairs = [(sps, t) for sps, t in timed if sps is not None and t is not None and t > 0]
+        if pairs:
+            parts.append(
+                f"{sum(s * t for s, t in pairs) / sum(t for _, t in pairs):,.0f} samples/s"
+            )
+        elif latest:  # an address gives no batch size: iterations per second instead
+            its = [s.iteration_s for s in self.stats[max(self.stats)] if s.iteration_s > 0]
+            parts.append(f"{1 / statistics.fmean(its):.1f} it/s" if its else "- it/s")
+        if self.status:
+            parts.append(self.status)
+        return "  ·  ".join(parts)
+
+
+def _num(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok else None
+
+
+def _device_text(sample: DeviceSample | None) -> str:
+    if sample is None:
+        return "-"
+    f = sample.fields
+    parts = []
+    if "util_pct" in f:
+        parts.append(f"{'gpu' if sample.source == 'nvml' else 'cpu'} {f['util_pct']:.0f}%")
+    if "run_queue" in f:
+        cpus = f"/{f['num_cpus']:.0f}" if "num_cpus" in f else ""
+        parts.append(f"rq {f['run_queue']:.0f}{cpus}")
+    if "temperature_c" in f:
+        parts.append(f"{f['temperature_c']:.0f}°C")
+    return " ".join(parts) or sample.source
+
+
+def _event_text(event: Event, t0: float | None) -> str:
+    when = f"+{event.time_s - t0:.1f} s" if t0 is not None else f"{event.time_s:.1f}"
+    detail = dict(event.detail)
+    what = " ".join(str(x) for x in (detail.pop("injector", None), detail.pop("origin", None)) if x)
+    where = "" if event.stage is None else f"stage {event.stage} "
+    rest = " ".join(f"{k}={v}" for k, v in detail.items())
+    return f"{when:>10}  {event.kind:<16} {where}{what} {rest}".rstrip()
+
+
+def render(state: MonitorState) -> Table:
+    """The view: header as title, one row per stage, recent events as caption."""
+    table = Table(
+        title=state.header(),
+        caption_justify="left",
+        header_style="bold",
+        expand=False,
+    )
+    for name in ("stage", "iter"):
+        table.add_column(name, justify="right")
+    for name in ("compute ms", "wait ms", "comm ms", "compute %", "in flight"):
+        table.add_column(name, justify="right")
+    table.add_column("memory", justify="right")
+    table.add_column("device")
+    for stage in sorted(set(state.stats) | set(state.devices)):
+        ring = state.stats.get(stage)
+        device = _device_text(state.devices.get(stage))
+        if not ring:
+            table.add_row(str(stage), "-", "-", "-", "-", "-", "-", "-", device)
+            continue
+        compute, wait, comm = (
+            statistics.fmean(getattr(s, name) for s in ring)
+            for name in ("compute_s", "wait_s", "comm_s")
+        )
+        total = statistics.fmean(s.iteration_s for s in ring) or compute + wait + comm
+        last = ring[-1]
+        table.add_row(
+            str(stage),
+            str(last.iteration),
+            f"{compute * 1e3:.2f}",
+            f"{wait * 1e3:.2f}",
+            f"{comm * 1e3:.2f}",
+            f"{100 * compute / total:.0f}%" if total > 0 else "-",
+            str(last.in_flight),
+            format_bytes(last.memory_allocated_bytes),
+            device,
+        )
+    lines = [f"means over the last {state.window} iterations; source {state.source}"]
+    if state.events:
+        lines.append("latest events:")
+        lines += ["  " + _event_text(e, state.t0) for e in state.events]
+    if state.skipped:
+        lines.append(state.skipped)
+    # one line per entry, cut at the table's width rather than wrapped
+    table.caption = Text("\n".join(lines), style="dim", no_wrap=True, overflow="ellipsis")
+    return table
+
+
+# --------------------------------------------------------------------------- the command
+def add_monitor_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Add ``adaptipe monitor RUN_DIR|ADDRESS`` to the ``adaptipe`` command."""
+    p = subparsers.add_parser(
+        "monitor",
+        help="live per-stage view of a run's telemetry (run directory or tcp:// address)",
+        description=(
+            "Follow a run directory's telemetry.jsonl, replay a finished run (--replay), "
+            "or bind a standalone collector at a tcp:// address for workers started with "
+            "ADAPTIPE_TELEMETRY=that address (it cannot attach to a collector that "
+            "`adaptipe train` runs; watch that run's directory instead)."
+        ),
+    )
+    p.add_argument("source", metavar="RUN_DIR|ADDRESS", help="run directory or tcp://host:port")
+    p.add_argument("--refresh-s", type=float, default=0.5, help="seconds between frames")
+    p.add_argument("--window", type=int, default=20, help="iterations averaged per stage")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--replay", action="store_true", help="play a finished run back in time")
+    p.add_argument("--speed", type=float, default=1.0, help="replay speed-up (with --replay)")
+    p.set_defaults(func=run_monitor_command)
+    return p
+
+
+def run_monitor_command(args: argparse.Namespace) -> int:
+    """Show the view until the run finishes (run directory) or Ctrl-C."""
+    for name in ("refresh_s", "speed"):
+        if not getattr(args, name) > 0:
+            raise PlanError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    if args.window < 1:
+        raise PlanError(f"--window must be >= 1 (got {args.window})")
+    console = Console(width=None if sys.stdout.isatty() else 120)
+    state = MonitorState(window=args.window, source=args.source)
+    try:
+        if "://" in args.source:
+            if args.replay:
+                raise PlanError("--replay needs a run directory, not an address")
+            return _watch_address(console, state, args)
+        root = Path(args.source)
+        if args.replay:
+            return _replay(console, state, root, args)
+        return _follow(console, state, root, args)
+    except KeyboardInterrupt:  # the usual way to leave a live view
+        return 0
+
+
+def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Namespace) -> int:
+    check_run_dir(root)
+    summary_mtime = _mtime(root / SUMMARY)
+    finished = summary_mtime is not None and summary_mtime >= (_mtime(root / TELEMETRY) or 0)
+    if args.once or finished:
+        log = load_run(root, final=finished)  # raises naming a missing or empty file
+        for record in log.records:
+            state.add(record)
+        for rec in log.metrics:
+            state.add_metrics(rec)
+        state.skipped = skipped_note(log.skipped)
+        state.status = "finished" if finished else ""
+        console.print(render(state))
+        return 0
+    if not (root / TELEMETRY).exists():
+        load_run(root)  # raises the error that names the missing file
+    follower = RunFollower(root)
+
+    def step(final: bool) -> None:
+        records, metrics = follower.poll(final=final)
+        for record in records:
+            state.add(record)
+        for rec in metrics:
+            state.add_metrics(rec)
+        state.skipped = follower.skipped_note()
+
+    from rich.live import Live
+
+    step(final=False)
+    with Live(render(state), console=console, auto_refresh=False) as live:
+        while True:
+            time.sleep(args.refresh_s)
+            done = _mtime(root / SUMMARY) != summary_mtime
+            step(final=done)
+            state.status = "finished" if done else ""
+            live.update(render(state), refresh=True)
+            if done:
+                return 0
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _replay(console: Console, state: MonitorState, root: Path, args: argparse.Namespace) -> int:
+    log = load_run(root)
+    state.skipped = skipped_note(log.skipped)
+    # A metrics record belongs at the time its iteration's last stage reported.
+    ends: dict[int, float] = {}
+    for r in log.records:
+        if isinstance(r, StageStats):
+            ends[r.iteration] = max(ends.get(r.iteration, 0.0), r.time_s)
+    last = max((r.time_s for r in log.records), default=0.0)
+    timeline: list[tuple[float, int, Record | dict[str, Any]]] = [
+        (r.time_s, i, r) for i, r in enumerate(log.records)
+    ]
+    timeline += [
+        (ends.get(m["iteration"], last), len(timeline) + i, m) for i, m in enumerate(log.metrics)
+    ]
+    timeline.sort(key=lambda item: (item[0], item[1]))
+
+    fed = 0
+
+    def feed(upto: float) -> None:
+        nonlocal fed
+        while fed < len(timeline) and timeline[fed][0] <= upto:
+            item = timeline[fed][2]
+            fed += 1
+            if isinstance(item, dict):
+                state.add_metrics(item)
+            else:
+                state.add(item)
+
+    if args.once:
+        feed(float("inf"))
+        console.print(render(state))
+        return 0
+    from rich.live import Live
+
+    clock = timeline[0][0]
+    with Live(render(state), console=console, auto_refresh=False) as live:
+        while fed < len(timeline):
+            clock += args.refresh_s * args.speed
+            feed(clock)
+            left = fed < len(timeline)
+            state.status = f"replay at {args.speed:g}x" if left else "replay finished"
+            live.update(render(state), refresh=True)
+            if left:
+                time.sleep(args.refresh_s)
+    return 0
+
+
+def _watch_address(console: Console, state: MonitorState, args: argparse.Namespace) -> int:
+    from adaptipe.monitor.collector import Collector
+
+    def frame(collector: Collector) -> Table:
+        fresh = MonitorState(window=state.window, source=state.source)
+        for record in sorted(collector.records(), key=lambda r: r.time_s):
+            fresh.add(record)
+        rejected = {k: v for k, v in collector.rejected.items() if v}
+        if rejected:
+            fresh.skipped = "rejected frames: " + ", ".join(f"{v} {k}" for k, v in rejected.items())
+        fresh.status = "" if collector.accepted else "waiting for workers"
+        return render(fresh)
+
+    with Collector(bind=args.source, history=max(args.window, 256)) as collector:
+        collector.start()
+        console.print(f"collector bound at {collector.address}; set ADAPTIPE_TELEMETRY to it")
+        if args.once:
+            time.sleep(args.refresh_s)
+            console.print(frame(collector))
+            return 0
+        from rich.live import Live
+
+        with Live(frame(collector), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.refresh_s)
+                live.update(frame(collector), refresh=True)

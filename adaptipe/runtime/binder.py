@@ -1,0 +1,109 @@
+"""ArrayPipe's binder: one public structure per layer, per-job parameter states.
+
+A stage of a job-array holds, for each of its layers, one module (the *public
+structure*) and, for every job, that layer's parameters and optimizer state. A block of
+job ``j`` runs the structure with job ``j``'s tensors through
+``torch.func.functional_call``, so switching from one job's block to another's
+rebuilds nothing and copies nothing while the states are resident. Job 0's tensors
+are the structure's own parameters, so a one-job array costs nothing extra.
+
+Each job's layer ``i`` is built from the job's own seed, exactly as training that job
+alone would build it, and gets its own optimizer (one per job and layer), so its state
+can travel with the layer later (migration) and be saved under global keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from adaptipe.runtime.sweep import JobSpec
+
+__all__ = ["Binder", "JobLayerState"]
+
+
+@dataclass(slots=True)
+class JobLayerState:
+    """One job's state of one layer."""
+
+    params: dict[str, nn.Parameter]
+    optimizer: torch.optim.Optimizer | None
+
+
+class Binder:
+    """Per-job states of a stage's layers, bound to one public structure per layer.
+
+    Args:
+        layers: the global indices of this stage's layers, in model order.
+        jobs: the job-array.
+        build_layer: ``build_layer(index, seed)`` builds a layer as training alone would.
+        make_optimizer: ``make_optimizer(job, params)`` builds that job's optimizer.
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[int],
+        jobs: Sequence[JobSpec],
+        build_layer: Callable[[int, int], nn.Module],
+        make_optimizer: Callable[[JobSpec, list[nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
+        self.layers = list(layers)
+        self.jobs = list(jobs)
+        self.structures: dict[int, nn.Module] = {}
+        self.states: list[dict[int, JobLayerState]] = []
+        for job in self.jobs:
+            per_layer: dict[int, JobLayerState] = {}
+            for index in self.layers:
+                module = build_layer(index, job.seed)
+                params = dict(module.named_parameters())
+                opt = make_optimizer(job, list(params.values())) if params else None
+                per_layer[index] = JobLayerState(params=params, optimizer=opt)
+                self.structures.setdefault(index, module)  # job 0's module is the structure
+            self.states.append(per_layer)
+
+    @property
+    def num_jobs(self) -> int:
+        return len(self.jobs)
+
+    def params(self, job: int, layers: Sequence[int]) -> list[dict[str, Tensor]]:
+        """Job ``job``'s tensors for ``layers``, in order (no copies)."""
+        state = self.states[job]
+        return [dict(state[i].params) for i in layers]
+
+    def run(self, job: int, layers: Sequence[int], x: Tensor) -> Tensor:
+        """Forward ``x`` through ``layers`` with job ``job``'s parameters."""
+        for index in layers:
+            params: dict[str, Tensor] = dict(self.states[job][index].params)
+            x = torch.func.functional_call(self.structures[index], params, (x,))
+        return x
+
+    def step(self, job: int) -> None:
+        """Apply job ``job``'s accumulated gradients on this stage and free them."""
+        for state in self.states[job].values():
+            if state.optimizer is not None:
+                state.optimizer.step()
+                state.optimizer.zero_grad(set_to_none=True)
+
+    def state(self, job: int, index: int) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+        """A module holding job ``job``'s parameters of layer ``index`` (for checkpoints)."""
+        holder = _ParamHolder(self.states[job][index].params)
+        return holder, self.states[job][index].optimizer
+
+
+class _ParamHolder(nn.Module):
+    """Presents a dict of parameters under their original names (``state_dict`` keys)."""
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        super().__init__()
+        for name, p in params.items():
+            owner: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, p)

@@ -1,0 +1,443 @@
+"""ArrayPipe's memory manager: at most ``budget`` job states resident per stage.
+
+A stage of a job-array holds every job's parameters and optimizer state for its layers
+(`Binder`). When they do not all fit, the manager keeps ``budget`` of them on the device
+and the rest in host memory, and moves them along the stage's block order: before a
+block it makes sure the block's job is resident, then prefetches the jobs that come next
+in the order, offloading the resident job whose next use is farthest (Belady). Copies
+run on a dedicated CUDA stream (pinned host memory, events) or, on CPU, on one
+background thread, so a prefetch overlaps the blocks before it; it is on time when a
+job's state moves faster than the shortest block (Eq. (2): sum of m / b_intra <= min r).
+
+A job whose first block on this stage ran and whose last has not (its forward ran, its
+backward has not) is *in flight*: its activations reference its parameters, so it stays
+resident, as does a job between its last block and its optimizer step. Moving a job
+moves each parameter's ``.data``, gradient and optimizer state tensor, keeping the
+``Parameter`` objects, so optimizer state keys and the structures stay valid.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from adaptipe.runtime.binder import Binder
+from adaptipe.schedule.types import Backward, Forward, Instruction, Recompute
+
+__all__ = ["MemoryManager", "block_order", "minimum_budget"]
+
+LogEvent = Literal["prefetch", "load", "evict"]
+_Key = tuple[str, int, str, str]  # (kind, layer, parameter name, optimizer state key)
+
+
+def block_order(program: Sequence[Instruction]) -> list[int]:
+    """The jobs of a stage program's compute blocks (forward, recompute, backward), in order."""
+    return [ins.job for ins in program if isinstance(ins, Forward | Recompute | Backward)]
+
+
+def _spans(order: Sequence[int]) -> dict[int, tuple[int, int]]:
+    spans: dict[int, tuple[int, int]] = {}
+    for pos, job in enumerate(order):
+        spans[job] = (spans[job][0] if job in spans else pos, pos)
+    return spans
+
+
+def _needed(order: Sequence[int]) -> list[set[int]]:
+    """Per block: the jobs that must be resident while it runs (it and those in flight)."""
+    spans = _spans(order)
+    return [
+        {j for j, (first, last) in spans.items() if first < pos <= last} | {job}
+        for pos, job in enumerate(order)
+    ]
+
+
+def minimum_budget(order: Sequence[int]) -> int:
+    """The smallest budget that can run ``order``: the most jobs resident at one block."""
+    return max((len(s) for s in _needed(order)), default=0)
+
+
+class _Pending(Protocol):
+    def wait(self) -> dict[_Key, Tensor]:
+        """The loaded tensors, ready for the compute that follows."""
+        ...
+
+
+class _ThreadLoad:
+    def __init__(self, future: Future[dict[_Key, Tensor]]) -> None:
+        self.future = future
+
+    def wait(self) -> dict[_Key, Tensor]:
+        return self.future.result()
+
+
+class _CpuMover:
+    """Copies on one background thread; "device" and host are both CPU memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptipe-memory")
+        self._last: Future[Any] | None = None
+
+    def host_buffer(self, t: Tensor) -> Tensor:
+        return torch.empty_like(t, device="cpu")
+
+    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> None:
+        pairs = [(dst[k], t) for k, t in src.items()]
+        self._last = self._pool.submit(_copy_all, pairs)
+
+    def load(self, src: dict[_Key, Tensor]) -> _Pending:
+        device = self.device
+
+        def copy() -> dict[_Key, Tensor]:
+            return {k: torch.empty_like(t, device=device).copy_(t) for k, t in src.items()}
+
+        future = self._pool.submit(copy)
+        self._last = future
+        return _ThreadLoad(future)
+
+    def synchronize(self) -> None:
+        if self._last is not None:
+            self._last.result()  # one worker runs tasks in order: the earlier ones are done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _copy_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+class _StreamLoad:
+    """A host-to-device copy on the copy stream; ``event`` marks its end."""
+
+    def __init__(
+        self, tensors: dict[_Key, Tensor], event: torch.cuda.Event, device: torch.device
+    ) -> None:
+        self.tensors = tensors
+        self.event = event
+        self.device = device
+
+    def wait(self) -> dict[_Key, Tensor]:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(self.event)
+        for t in self.tensors.values():
+            t.record_stream(compute)  # allocated on the copy stream, used on this one
+        return self.tensors
+
+
+class _CudaMover:
+    """Copies on a dedicated stream between pinned host buffers and the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+
+    def host_buffer(self, t: Tensor) -> Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+
+    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the step is done
+        with torch.cuda.stream(self.stream):
+            for k, t in src.items():
+                dst[k].copy_(t, non_blocking=True)
+                if t.is_cuda:
+                    t.record_stream(self.stream)  # keep the device memory until copied
+
+    def load(self, src: dict[_Key, Tensor]) -> _Pending:
+        with torch.cuda.stream(self.stream):
+            out = {k: torch.empty_like(t, device=self.device) for k, t in src.items()}
+            for k, t in src.items():
+                out[k].copy_(t, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        return _StreamLoad(out, event, self.device)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+class MemoryManager:
+    """Keeps at most ``budget`` of a stage's job states on ``device``, the rest on ``host``.
+
+    Args:
+        binder: the stage's per-job layer states.
+        budget: job states resident at once; ``<= 0`` or ``>= J`` keeps all of them.
+        device: where blocks run.
+        host: where offloaded states live (pinned when ``device`` is CUDA).
+        order: the jobs of this stage's blocks in one iteration, in the order they run
+            (`block_order` of the stage program); iterations repeat it.
+        prefetch: ``False`` loads each state only when its block needs it (an ablation).
+
+    Call `before_block` before every block, `after_step` after each job's optimizer step.
+    """
+
+    def __init__(
+        self,
+        binder: Binder,
+        *,
+        budget: int,
+        device: torch.device,
+        host: torch.device | None = None,
+        order: Sequence[int],
+        prefetch: bool = True,
+    ) -> None:
+        self.binder = binder
+        self.device = torch.device(device)
+        self.host = torch.device("cpu") if host is None else torch.device(host)
+        if self.host.type != "cpu":
+            raise ValueError(f"host must be a CPU device (got {self.host})")
+        self.order = list(order)
+        num_jobs = binder.num_jobs
+        for pos, job in enumerate(self.order):
+            if not 0 <= job < num_jobs:
+                raise ValueError(
+                    f"order[{pos}] = {job} is not a job of this stage (0..{num_jobs - 1})"
+                )
+        self.budget = budget
+        self.prefetch = prefetch
+        self.enabled = 0 < budget < num_jobs and bool(self.order)
+        self.log: list[tuple[LogEvent, int]] = []
+        self.hits = self.misses = self.prefetches = self.evictions = 0
+        self.wait_s = 0.0  # time before_block spent waiting for copies
+        self.resident: set[int] = set(range(num_jobs))
+        self.peak_resident = num_jobs
+        if not self.enabled:
+            return
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device} is not available (no CUDA in this torch)")
+        needed = _needed(self.order)
+        least = max(len(s) for s in needed)
+        if budget < least:
+            pos = max(range(len(needed)), key=lambda p: len(needed[p]))
+            raise ValueError(
+                f"memory budget {budget} is below the minimum {least} for this stage's block "
+                f"order: at block {pos} (job {self.order[pos]}) jobs {sorted(needed[pos])} must "
+                f"be resident (a job whose forward ran and whose backward has not keeps "
+                f"activations that reference its parameters); allowed: 0 (keep all) or "
+                f"{least}..{num_jobs}"
+            )
+        self._n = len(self.order)
+        self._positions: dict[int, list[int]] = {}
+        for pos, job in enumerate(self.order):
+            self._positions.setdefault(job, []).append(pos)
+        spans = _spans(self.order)
+        # After block p runs, until the next block: jobs between their first and last block.
+        self._open_after = [
+            {j for j, (first, last) in spans.items() if first <= p < last} for p in range(self._n)
+        ]
+        self._needed = needed
+        self._last = {j: last for j, (_, last) in spans.items()}
+        self._clock = 0  # blocks begun since the manager was built
+        self._awaiting_step: set[int] = set()
+        self._loading: dict[int, _Pending] = {}
+        self._host_buffers: dict[int, dict[_Key, Tensor]] = {j: {} for j in range(num_jobs)}
+        self._mover: _CpuMover | _CudaMover = (
+            _CudaMover(self.device) if self.device.type == "cuda" else _CpuMover(self.device)
+        )
+        keep = list(dict.fromkeys(self.order))[:budget]
+        self.resident = set()
+        for job in range(num_jobs):
+            if job in keep:
+                self._install(job, {k: t.to(self.device) for k, t in self._tensors(job).items()})
+                self.resident.add(job)
+            else:
+                self._offload(job)
+        self._mover.synchronize()
+        self.peak_resident = len(self.resident)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def loading(self) -> set[int]:
+        """Jobs whose prefetch is issued and not yet waited for (they count as resident)."""
+        return set(self._loading) if self.enabled else set()
+
+    def before_block(self, job: int) -> None:
+        """Make ``job`` resident for the next block of the order, then prefetch ahead."""
+        if not self.enabled:
+            return
+        pos = self._clock % self._n
+        if self.order[pos] != job:
+            raise RuntimeError(
+                f"block {pos} of this stage's order is job {self.order[pos]}, but the executor "
+                f"runs job {job} (build the order with block_order(program))"
+            )
+        self._awaiting_step.discard(job)
+        t0 = time.perf_counter()
+        if job in self.resident:
+            self.hits += 1
+        elif job in self._loading:
+            self._finish_loading(job)
+            self.hits += 1
+        else:
+            self._load_now(job, pos, pinned=self._needed[pos] | self._awaiting_step)
+            self.misses += 1
+        self.wait_s += time.perf_counter() - t0
+        self._clock += 1
+        if pos == self._last[job]:
+            self._awaiting_step.add(job)  # its gradients wait for the just-in-time step
+        self._prefetch(pos, pinned=self._open_after[pos] | self._awaiting_step | {job})
+
+    def after_step(self, job: int) -> None:
+        """``job``'s optimizer step on this stage is done: it may now be offloaded."""
+        if not self.enabled or job not in self._awaiting_step:
+            return
+        self._awaiting_step.discard(job)
+        pos = (self._clock - 1) % self._n
+        self._prefetch(pos, pinned=self._open_after[pos] | self._awaiting_step)
+
+    def ensure_resident(self, job: int) -> None:
+        """Load ``job`` outside the block order (shape probing, evaluation); a miss if absent."""
+        if not self.enabled or job in self.resident:
+            return
+        if job in self._loading:
+            self._finish_loading(job)
+            return
+        ran = (self._clock - 1) % self._n  # the last block begun (next uses count from it)
+        self._load_now(job, ran, pinned=self._open_after[ran] | self._awaiting_step | {job})
+        self.misses += 1
+
+    def begin_iteration(self) -> None:
+        """Return to the first block of the order (a no-op after a complete iteration)."""
+        if self.enabled and self._clock % self._n:
+            self._clock += self._n - self._clock % self._n
+            self._awaiting_step.clear()
+
+    def synchronize(self) -> None:
+        """Wait for every copy, e.g. before reading offloaded states for a checkpoint."""
+        if self.enabled:
+            for job in list(self._loading):
+                self._finish_loading(job)
+            self._mover.synchronize()
+
+    def close(self) -> None:
+        """Finish every copy and stop the copy worker; states stay where they are."""
+        if self.enabled:
+            self.synchronize()
+            self._mover.close()
+
+    # ------------------------------------------------------------------ policy
+    def _next_use(self, job: int, pos: int) -> int:
+        """Blocks from ``pos`` to ``job``'s next block after it (cyclic; never: a huge number)."""
+        places = self._positions.get(job)
+        if not places:
+            return 1 << 30
+        i = bisect.bisect_right(places, pos)
+        return places[i] - pos if i < len(places) else places[0] + self._n - pos
+
+    def _occupancy(self) -> int:
+        return len(self.resident) + len(self._loading)
+
+    def _prefetch(self, pos: int, *, pinned: set[int]) -> None:
+        """Belady after block ``pos``: fetch upcoming jobs while a farther one can make room."""
+        if not self.prefetch:
+            return
+        upcoming: list[int] = []
+        for d in range(1, self._n + 1):
+            j = self.order[(pos + d) % self._n]
+            if j not in upcoming:
+                upcoming.append(j)
+        for job in upcoming:
+            if job in self.resident or job in self._loading:
+                continue
+            if self._occupancy() >= self.budget:
+                need = self._next_use(job, pos)
+                victims = [v for v in self.resident - pinned if self._next_use(v, pos) > need]
+                if not victims:
+                    break  # every resident job is needed before this one
+                self._evict(max(victims, key=lambda v: self._next_use(v, pos)))
+            self._loading[job] = self._mover.load(self._take_host(job))
+            self.prefetches += 1
+            self._record("prefetch", job)
+
+    def _load_now(self, job: int, pos: int, *, pinned: set[int]) -> None:
+        """Load ``job`` synchronously at block ``pos``, evicting the farthest unpinned job."""
+        if self._occupancy() >= self.budget:
+            victims = (self.resident | set(self._loading)) - pinned
+            if not victims:
+                raise RuntimeError(
+                    f"memory budget {self.budget}: no room for job {job}, jobs {sorted(pinned)} "
+                    f"must stay resident (call after_step(j) right after job j's optimizer step)"
+                )
+            victim = max(victims, key=lambda v: self._next_use(v, pos))
+            if victim in self._loading:
+                self._finish_loading(victim)
+            self._evict(victim)
+        self._install(job, self._mover.load(self._take_host(job)).wait())
+        self.resident.add(job)
+        self._record("load", job)
+
+    def _finish_loading(self, job: int) -> None:
+        pending = self._loading.pop(job)
+        self._install(job, pending.wait())
+        self.resident.add(job)
+
+    def _evict(self, job: int) -> None:
+        self.resident.discard(job)
+        self._offload(job)
+        self.evictions += 1
+        self._record("evict", job)
+
+    def _record(self, event: LogEvent, job: int) -> None:
+        self.log.append((event, job))
+        self.peak_resident = max(self.peak_resident, self._occupancy())
+
+    # ------------------------------------------------------------------ tensors
+    def _tensors(self, job: int) -> dict[_Key, Tensor]:
+        """Every tensor of ``job``'s state on this stage: parameters, gradients, optimizer."""
+        out: dict[_Key, Tensor] = {}
+        for index, st in self.binder.states[job].items():
+            opt = st.optimizer
+            moves_step = opt is not None and any(
+                bool(g.get("capturable")) or bool(g.get("fused")) for g in opt.param_groups
+            )
+            for name, p in st.params.items():
+                out[("param", index, name, "")] = p.data
+                if p.grad is not None:
+                    out[("grad", index, name, "")] = p.grad
+                if opt is None:
+                    continue
+                for key, value in opt.state.get(p, {}).items():
+                    # A non-capturable optimizer keeps its step count on the CPU.
+                    if isinstance(value, Tensor) and (key != "step" or moves_step):
+                        out[("state", index, name, str(key))] = value
+        return out
+
+    def _install(self, job: int, tensors: dict[_Key, Tensor]) -> None:
+        for index, st in self.binder.states[job].items():
+            state = st.optimizer.state if st.optimizer is not None else None
+            for name, p in st.params.items():
+                p.grad = None  # the new data may sit on another device than the old gradient
+                p.data = tensors[("param", index, name, "")]
+                p.grad = tensors.get(("grad", index, name, ""))
+                if state is None or p not in state:
+                    continue
+                for key in state[p]:
+                    t = tensors.get(("state", index, name, str(key)))
+                    if t is not None:
+                        state[p][key] = t
+
+    def _offload(self, job: int) -> None:
+        """Copy ``job``'s state into its host buffers (asynchronously) and point at them."""
+        src = self._tensors(job)
+        buffers = self._host_buffers[job]
+        for k, t in src.items():
+            buf = buffers.get(k)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buffers[k] = self._mover.host_buffer(t)
+        self._mover.offload(src, buffers)
+        self._install(job, {k: buffers[k] for k in src})
+
+    def _take_host(self, job: int) -> dict[_Key, Tensor]:
+        # What the job's state points at now, not the buffers it was offloaded to: a
+        # checkpoint restore may have replaced optimizer state tensors since.
+        return self._tensors(job)

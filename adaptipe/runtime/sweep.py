@@ -1,0 +1,206 @@
+"""The ``[sweep]`` section: sibling jobs of one model, trained as one job-array.
+
+```toml
+[sweep]
+solver = "auto"          # JAPSP solver for the block order: auto, bb, ga, gpipe, 1f1b, rr
+memory_budget = 0        # job states resident per stage (0 = all of them)
+halving_every = 0        # successive halving every N iterations (0 = off)
+halving_keep = 0.5       # fraction of jobs kept at each halving
+
+[sweep.grid]             # the cartesian product of these lists ...
+lr = [1e-3, 3e-3]
+batch_size = [16, 32]
+
+[[sweep.jobs]]           # ... or explicit jobs (not both)
+name = "wide-lr"
+lr = 1e-2
+optimizer = "adam"
+```
+
+Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed;
+the rest comes from ``[optimizer]``, ``[data].batch_size`` and ``[train].seed``. Each
+job's mini-batch is one block of the pipeline (ArrayPipe), so ``[data].microbatches``
+must be 1 with a sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from adaptipe.errors import PlanError
+from adaptipe.serial import get_float, get_int, get_list, get_str
+
+__all__ = ["JOB_FIELDS", "SOLVER_NAMES", "JobSpec", "SweepSection", "parse_sweep"]
+
+JOB_FIELDS = ("name", "lr", "batch_size", "weight_decay", "momentum", "optimizer", "seed")
+SOLVER_NAMES = ("auto", "bb", "ga", "gpipe", "1f1b", "rr", "cpsat")
+_SWEEP_FIELDS = (
+    "grid",
+    "jobs",
+    "solver",
+    "memory_budget",
+    "halving_every",
+    "halving_keep",
+    "time_limit_s",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSpec:
+    """One sibling job: its hyper-parameters and seed (model init and data order)."""
+
+    index: int
+    name: str
+    optimizer: Any  # OptimizerSection (kept untyped here to avoid an import cycle)
+    batch_size: int
+    seed: int
+
+    def to_dict(self) -> dict[str, Any]:
+        opt = {f.name: getattr(self.optimizer, f.name) for f in fields(self.optimizer)}
+        opt["betas"] = list(opt["betas"])
+        opt["optimizer"] = opt.pop("name")  # a job's "name" is the job's
+        return {**opt, "name": self.name, "batch_size": self.batch_size, "seed": self.seed}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweepSection:
+    jobs: tuple[JobSpec, ...]
+    solver: str = "auto"
+    memory_budget: int = 0
+    halving_every: int = 0
+    halving_keep: float = 0.5
+    time_limit_s: float = 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k != "jobs"}
+        out["jobs"] = [job.to_dict() for job in self.jobs]
+        return out
+
+
+ParseOptimizer = Callable[[Mapping[str, Any], str], Any]
+
+
+def parse_sweep(
+    raw: Mapping[str, Any],
+    *,
+    source: str,
+    optimizer: Any,
+    batch_size: int,
+    seed: int,
+    parse_optimizer: ParseOptimizer,
+) -> SweepSection:
+    """Expand ``[sweep]`` into jobs; every error names the field and what is allowed."""
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"{source}: [sweep] must be a table")
+    for key in raw:
+        if key not in _SWEEP_FIELDS:
+            raise PlanError(
+                f"{source}: [sweep].{key} is not a field (allowed: {', '.join(_SWEEP_FIELDS)})"
+            )
+    if ("grid" in raw) == ("jobs" in raw):
+        raise PlanError(f"{source}: [sweep] needs exactly one of [sweep.grid] or [[sweep.jobs]]")
+    entries = _grid(raw["grid"], source) if "grid" in raw else _jobs(raw, source)
+    base = {f.name: getattr(optimizer, f.name) for f in fields(optimizer)}
+    jobs: list[JobSpec] = []
+    for index, (entry, where) in enumerate(entries):
+        jobs.append(_job(index, entry, where, source, base, batch_size, seed, parse_optimizer))
+    names = [job.name for job in jobs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise PlanError(
+            f"{source}: [sweep] job names must be unique (repeated: {', '.join(dupes)})"
+        )
+    kw: dict[str, Any] = {"source": source, "prefix": "[sweep]."}
+    keep = get_float(raw, "halving_keep", default=0.5, **kw)
+    if not 0 < keep < 1:
+        raise PlanError(f"{source}: [sweep].halving_keep must be in (0, 1) (got {keep})")
+    limit = get_float(raw, "time_limit_s", default=1.0, **kw)
+    if limit <= 0:
+        raise PlanError(f"{source}: [sweep].time_limit_s must be > 0 (got {limit})")
+    return SweepSection(
+        jobs=tuple(jobs),
+        solver=get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw),
+        memory_budget=get_int(raw, "memory_budget", minimum=0, default=0, **kw),
+        halving_every=get_int(raw, "halving_every", minimum=0, default=0, **kw),
+        halving_keep=keep,
+        time_limit_s=limit,
+    )
+
+
+def _grid(grid: Any, source: str) -> list[tuple[dict[str, Any], str]]:
+    if not isinstance(grid, Mapping) or not grid:
+        raise PlanError(f"{source}: [sweep.grid] must be a table of lists (e.g. lr = [1e-3, 3e-3])")
+    axes: list[tuple[str, list[Any]]] = []
+    for key, values in grid.items():
+        if key not in JOB_FIELDS or key == "name":
+            allowed = ", ".join(f for f in JOB_FIELDS if f != "name")
+            raise PlanError(f"{source}: [sweep.grid].{key} is not a field (allowed: {allowed})")
+        if not isinstance(values, list) or not values:
+            raise PlanError(
+                f"{source}: [sweep.grid].{key} must be a non-empty list (got {values!r})"
+            )
+        axes.append((key, values))
+    out: list[tuple[dict[str, Any], str]] = []
+    for combo in itertools.product(*(values for _, values in axes)):
+        entry = dict(zip((key for key, _ in axes), combo, strict=True))
+        entry["name"] = ",".join(f"{k}={v}" for k, v in entry.items())
+        out.append((entry, f"[sweep.grid] ({entry['name']})"))
+    return out
+
+
+def _jobs(raw: Mapping[str, Any], source: str) -> list[tuple[dict[str, Any], str]]:
+    jobs = get_list(raw, "jobs", source=source, prefix="[sweep].")
+    if not jobs:
+        raise PlanError(f"{source}: [[sweep.jobs]] must list at least one job")
+    out: list[tuple[dict[str, Any], str]] = []
+    for i, job in enumerate(jobs):
+        if not isinstance(job, Mapping):
+            raise PlanError(f"{source}: [[sweep.jobs]][{i}] must be a table")
+        extra = sorted(set(job) - set(JOB_FIELDS) - {"nesterov", "betas", "eps"})
+        if extra:
+            raise PlanError(
+                f"{source}: [[sweep.jobs]][{i}].{extra[0]} is not a field (allowed: {', '.join(JOB_FIELDS)})"
+            )
+        entry = dict(job)
+        entry.setdefault("name", f"job{i}")
+        out.append((entry, f"[[sweep.jobs]][{i}]"))
+    return out
+
+
+def _job(
+    index: int,
+    entry: Mapping[str, Any],
+    where: str,
+    source: str,
+    base: dict[str, Any],
+    batch_size: int,
+    seed: int,
+    parse_optimizer: ParseOptimizer,
+) -> JobSpec:
+    opt = dict(base)
+    opt["betas"] = list(opt["betas"])
+    if "optimizer" in entry and entry["optimizer"] != base["name"]:
+        opt["name"] = entry["optimizer"]
+        if opt["name"] != "sgd":  # momentum belongs to sgd; a job switching away drops it
+            opt["momentum"], opt["nesterov"] = 0.0, False
+    for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps"):
+        if key in entry:
+            opt[key] = entry[key]
+    try:
+        optimizer = parse_optimizer(opt, source)
+    except PlanError as exc:
+        raise PlanError(
+            str(exc).replace("[optimizer].", f"{where}.").replace("[optimizer]", where)
+        ) from None
+    kw: dict[str, Any] = {"source": source, "prefix": f"{where}."}
+    name = get_str(entry, "name", **kw)
+    return JobSpec(
+        index=index,
+        name=name,
+        optimizer=optimizer,
+        batch_size=get_int(entry, "batch_size", minimum=1, default=batch_size, **kw),
+        seed=get_int(entry, "seed", minimum=0, default=seed, **kw),
+    )

@@ -1,0 +1,349 @@
+"""ArrayPipe's memory manager: never more than ``budget`` job states resident, prefetches
+in schedule order, and training through offloads ends bitwise where keeping every state
+resident ends."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from adaptipe.runtime.binder import Binder
+from adaptipe.runtime.config import OptimizerSection
+from adaptipe.runtime.memory import MemoryManager, block_order, minimum_budget
+from adaptipe.runtime.sweep import JobSpec
+from adaptipe.schedule.types import Backward, Forward, Instruction, OptimizerStep
+
+CPU = torch.device("cpu")
+# Stage 0 of a two-stage 1F1B over six jobs, one block per job: F0 F1 B0 F2 B1 F3 ... B5.
+ONE_F_ONE_B = [0, 1, 0, 2, 1, 3, 2, 4, 3, 5, 4, 5]
+
+
+def _binder(
+    num_jobs: int = 6, width: int = 4, device: torch.device = CPU, optimizer: str = "sgd"
+) -> Binder:
+    def build_layer(index: int, seed: int) -> nn.Module:
+        torch.manual_seed(seed * 100 + index)
+        return nn.Linear(width, width).to(device)
+
+    jobs = [
+        JobSpec(
+            index=j,
+            name=f"job{j}",
+            optimizer=OptimizerSection(name=optimizer, lr=0.1 + 0.01 * j, momentum=0.9),
+            batch_size=4,
+            seed=j,
+        )
+        for j in range(num_jobs)
+    ]
+    return Binder(
+        layers=[0, 1],
+        jobs=jobs,
+        build_layer=build_layer,
+        make_optimizer=lambda job, params: job.optimizer.build(params),
+    )
+
+
+@dataclass
+class _Trace:
+    """What a simulated stage saw: residency after every call, evictions that hit pins."""
+
+    occupancy: list[int] = field(default_factory=list)
+    bad_evictions: list[tuple[int, int]] = field(default_factory=list)
+    blocks: int = 0
+
+
+def _check(mm: MemoryManager, trace: _Trace, since: int, pinned: set[int]) -> None:
+    trace.occupancy.append(len(mm.resident | mm.loading))
+    for event, job in mm.log[since:]:
+        if event == "evict" and job in pinned:
+            trace.bad_evictions.append((len(trace.occupancy), job))
+
+
+def _simulate(
+    binder: Binder,
+    mm: MemoryManager,
+    order: list[int],
+    *,
+    iterations: int,
+    compute: bool = True,
+    sleep_s: float = 0.0,
+) -> _Trace:
+    """Run a stage's blocks: a job's first block is its forward, its last its backward and
+    just-in-time step (both in one block when it has one), as the executor would."""
+    first = {j: order.index(j) for j in set(order)}
+    last = {j: len(order) - 1 - order[::-1].index(j) for j in set(order)}
+    trace = _Trace()
+    for it in range(iterations):
+        losses: dict[int, Tensor] = {}
+        in_flight: set[int] = set()
+        for pos, job in enumerate(order):
+            since = len(mm.log)
+            mm.before_block(job)
+            trace.blocks += 1
+            assert job in mm.resident, f"job {job} not resident for block {pos}"
+            assert in_flight <= mm.resident, f"in-flight {in_flight} not all resident"
+            _check(mm, trace, since, in_flight | {job})
+            if pos == first[job]:
+                in_flight.add(job)
+                if compute:
+                    gen = torch.Generator().manual_seed(1000 * it + job)
+                    x, y = torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)
+                    device = binder.states[job][0].params["weight"].device
+                    out = binder.run(job, [0, 1], x.to(device))
+                    y = y.to(device)
+                    losses[job] = nn.functional.mse_loss(out, y)
+            if pos == last[job]:
+                in_flight.discard(job)
+                if compute:
+                    torch.autograd.backward(losses.pop(job))
+                    binder.step(job)
+                since = len(mm.log)
+                mm.after_step(job)
+                _check(mm, trace, since, in_flight)
+            if sleep_s:
+                time.sleep(sleep_s)
+    mm.synchronize()
+    return trace
+
+
+def _state(binder: Binder, job: int) -> list[Tensor]:
+    out: list[Tensor] = []
+    for st_ in binder.states[job].values():
+        assert st_.optimizer is not None
+        for p in st_.params.values():
+            out.append(p.detach().clone())
+            for value in st_.optimizer.state.get(p, {}).values():
+                out.append(value.clone())  # momentum, Adam's moments and step count
+    return out
+
+
+def _train(
+    budget: int,
+    *,
+    iterations: int = 3,
+    device: torch.device = CPU,
+    optimizer: str = "sgd",
+    sleep_s: float = 0.0,
+) -> tuple[Binder, MemoryManager]:
+    binder = _binder(device=device, optimizer=optimizer)
+    mm = MemoryManager(binder, budget=budget, device=device, order=ONE_F_ONE_B)
+    _simulate(binder, mm, ONE_F_ONE_B, iterations=iterations, sleep_s=sleep_s)
+    return binder, mm
+
+
+def _replayed_peak(mm: MemoryManager, start: set[int]) -> int:
+    resident, peak = set(start), len(start)
+    for event, job in mm.log:
+        if event == "evict":
+            resident.discard(job)
+        else:
+            resident.add(job)
+        peak = max(peak, len(resident))
+    return peak
+
+
+def _is_subsequence(seq: list[int], of: list[int]) -> bool:
+    it = iter(of)
+    return all(any(x == y for y in it) for x in seq)
+
+
+def test_minimum_budget_counts_jobs_in_flight() -> None:
+    assert minimum_budget(ONE_F_ONE_B) == 2
+    assert minimum_budget([0, 1, 2, 0, 1, 2]) == 3  # GPipe: every forward before any backward
+    assert minimum_budget([0, 1, 2]) == 1  # one block per job: nothing stays in flight
+    program: list[Instruction] = [
+        Forward(0, 0),
+        Forward(1, 0),
+        Backward(0, 0),
+        OptimizerStep(0),
+        Backward(1, 0),
+    ]
+    assert block_order(program) == [0, 1, 0, 1]
+
+
+@pytest.mark.parametrize(("optimizer", "states"), [("sgd", 1), ("adam", 3)])
+@pytest.mark.parametrize("budget", [2, 3, 4])
+def test_training_through_offloads_ends_bitwise_as_with_everything_resident(
+    budget: int, optimizer: str, states: int
+) -> None:
+    reference, everything = _train(6, optimizer=optimizer)
+    assert everything.log == [] and everything.resident == set(range(6))
+    binder, mm = _train(budget, optimizer=optimizer)
+    assert mm.evictions > 0 and mm.prefetches > 0
+    for job in range(6):
+        got, want = _state(binder, job), _state(reference, job)
+        assert len(got) == len(want) == 4 * (1 + states)  # 2 layers x (weight, bias)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), job
+    mm.close()
+
+
+@pytest.mark.parametrize("budget", [2, 3, 5])
+def test_residency_never_exceeds_the_budget_and_pins_hold(budget: int) -> None:
+    binder = _binder()
+    mm = MemoryManager(binder, budget=budget, device=CPU, order=ONE_F_ONE_B)
+    start = set(mm.resident)
+    trace = _simulate(binder, mm, ONE_F_ONE_B, iterations=2)
+    assert max(trace.occupancy) <= budget
+    assert mm.peak_resident == budget
+    assert _replayed_peak(mm, start) <= budget
+    assert trace.bad_evictions == []
+    mm.close()
+
+
+def test_prefetches_follow_the_schedule_order_and_never_miss() -> None:
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=ONE_F_ONE_B)
+    trace = _simulate(binder, mm, ONE_F_ONE_B, iterations=3, sleep_s=0.002)
+    fetched = [job for event, job in mm.log if event == "prefetch"]
+    assert _is_subsequence(fetched, ONE_F_ONE_B * 4)
+    # Jobs 2-5 within each iteration; jobs 0 and 1 (resident at the start) at the end of
+    # each iteration, for the next one.
+    assert fetched == [2, 3, 4, 5, 0, 1] * 3 and mm.prefetches == 18
+    assert mm.misses == 0 and mm.hits == trace.blocks
+    assert not any(event == "load" for event, _ in mm.log)
+    mm.close()
+
+
+def test_loading_on_demand_counts_a_miss_per_absent_job() -> None:
+    order = [0, 1, 2, 3, 4, 5]
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=order, prefetch=False)
+    _simulate(binder, mm, order, iterations=2)
+    # Jobs 0 and 1 start resident; Belady then keeps the job needed soonest after the
+    # next one (job 0 through iteration 1, job 5 through iteration 2): 4 hits, 8 misses.
+    assert (mm.hits, mm.misses, mm.prefetches) == (4, 8, 0)
+    assert [event for event, _ in mm.log if event != "evict"] == ["load"] * mm.misses
+    mm.close()
+    reference, _ = _train(6)
+    prefetched, _ = _train(2)
+    assert all(
+        torch.equal(a, b)
+        for j in range(6)
+        for a, b in zip(_state(prefetched, j), _state(reference, j), strict=True)
+    )
+
+
+def test_offload_moves_into_separate_tensors_and_keeps_the_parameters() -> None:
+    binder = _binder()
+    params = {j: list(binder.states[j][0].params.values()) for j in range(6)}
+    mm = MemoryManager(binder, budget=2, device=CPU, order=ONE_F_ONE_B)
+    _simulate(binder, mm, ONE_F_ONE_B, iterations=1)
+    away = next(j for j in range(6) if j not in mm.resident)
+    weight = binder.states[away][0].params["weight"]
+    assert weight is params[away][0]  # the same Parameter object: optimizer keys hold
+    opt = binder.states[away][0].optimizer
+    assert opt is not None and weight in opt.state
+    before = _state(binder, away)
+    host_ptr = weight.data_ptr()
+    mm.ensure_resident(away)
+    assert mm.misses == 1 and mm.log[-1] == ("load", away)
+    assert weight.data_ptr() != host_ptr  # a real copy, not a pointer swap
+    assert opt.state[weight]["momentum_buffer"].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(_state(binder, away), before, strict=True))
+    assert len(mm.resident | mm.loading) <= 2
+    mm.close()
+
+
+def test_a_restored_optimizer_state_of_an_offloaded_job_is_what_loads() -> None:
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=ONE_F_ONE_B)
+    _simulate(binder, mm, ONE_F_ONE_B, iterations=1)
+    away = next(j for j in range(6) if j not in mm.resident)
+    opt = binder.states[away][0].optimizer
+    assert opt is not None
+    saved = opt.state_dict()
+    for state in saved["state"].values():
+        state["momentum_buffer"] = torch.full_like(state["momentum_buffer"], 7.0)
+    opt.load_state_dict(saved)  # as a checkpoint restore does: new state tensors
+    mm.ensure_resident(away)
+    weight = binder.states[away][0].params["weight"]
+    assert torch.equal(opt.state[weight]["momentum_buffer"], torch.full((4, 4), 7.0))
+    mm.close()
+
+
+@pytest.mark.parametrize("budget", [0, 6, 9])
+def test_a_budget_of_zero_or_at_least_all_jobs_keeps_everything(budget: int) -> None:
+    binder = _binder()
+    ptrs = [p.data_ptr() for s in binder.states for p in s[0].params.values()]
+    mm = MemoryManager(binder, budget=budget, device=CPU, order=ONE_F_ONE_B)
+    _simulate(binder, mm, ONE_F_ONE_B, iterations=1, compute=False)
+    assert mm.resident == set(range(6)) and mm.log == [] and mm.hits == 0
+    assert ptrs == [p.data_ptr() for s in binder.states for p in s[0].params.values()]
+
+
+def test_a_budget_below_the_jobs_in_flight_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"budget 1 is below the minimum 2 .* allowed: 0 .* 2\.\.6"
+    ):
+        MemoryManager(_binder(), budget=1, device=CPU, order=ONE_F_ONE_B)
+    with pytest.raises(ValueError, match=r"order\[1\] = 7 is not a job of this stage \(0\.\.5\)"):
+        MemoryManager(_binder(), budget=2, device=CPU, order=[0, 7])
+
+
+def test_a_block_out_of_order_is_an_error_and_begin_iteration_recovers() -> None:
+    binder = _binder()
+    mm = MemoryManager(binder, budget=3, device=CPU, order=ONE_F_ONE_B)
+    mm.before_block(0)
+    with pytest.raises(RuntimeError, match="block 1 of this stage's order is job 1"):
+        mm.before_block(2)
+    mm.begin_iteration()  # an aborted iteration: start over
+    mm.before_block(0)
+    assert mm.hits == 2
+    mm.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offloads_to_pinned_memory_and_ends_bitwise_as_resident() -> None:
+    cuda = torch.device("cuda")
+    reference, _ = _train(6, device=cuda)
+    binder, mm = _train(2, device=cuda)
+    away = next(j for j in range(6) if j not in mm.resident)
+    weight = binder.states[away][0].params["weight"]
+    assert weight.device.type == "cpu" and weight.is_pinned()
+    assert mm.misses == 0 and mm.peak_resident == 2
+    for job in range(6):
+        got = [t.cpu() for t in _state(binder, job)]
+        want = [t.cpu() for t in _state(reference, job)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), job
+    mm.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")
+def test_a_cuda_device_without_cuda_is_refused() -> None:
+    with pytest.raises(ValueError, match="device cuda is not available"):
+        MemoryManager(_binder(), budget=2, device=torch.device("cuda"), order=ONE_F_ONE_B)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    num_jobs=st.integers(min_value=2, max_value=6),
+    prefetch=st.booleans(),
+)
+def test_residency_invariant_holds_for_any_order_and_budget(
+    data: st.DataObject, num_jobs: int, prefetch: bool
+) -> None:
+    blocks = [j for j in range(num_jobs) for _ in range(data.draw(st.integers(1, 3)))]
+    order = data.draw(st.permutations(blocks))
+    least = minimum_budget(order)
+    budget = data.draw(st.integers(min_value=least, max_value=num_jobs))
+    binder = _binder(num_jobs, width=2)
+    before = [_state(binder, j) for j in range(num_jobs)]
+    mm = MemoryManager(binder, budget=budget, device=CPU, order=order, prefetch=prefetch)
+    start = set(mm.resident)
+    trace = _simulate(binder, mm, order, iterations=2, compute=False)
+    if budget < num_jobs:
+        assert max(trace.occupancy) <= budget and mm.peak_resident <= budget
+        assert _replayed_peak(mm, start) <= budget
+        assert trace.bad_evictions == []
+        fetched = [job for event, job in mm.log if event == "prefetch"]
+        assert _is_subsequence(fetched, order * 3)
+    for j in range(num_jobs):  # states travel and come back unchanged
+        assert all(torch.equal(a, b) for a, b in zip(_state(binder, j), before[j], strict=True))
+    mm.close()

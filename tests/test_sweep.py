@@ -1,0 +1,115 @@
+"""[sweep] expands into a job-array; bad sweeps are clear errors naming the field."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from adaptipe.errors import PlanError
+from adaptipe.runtime.config import RunConfig
+
+BASE: dict[str, Any] = {
+    "model": {
+        "name": "mlp",
+        "config": {"in_features": 8, "hidden": 16, "depth": 4, "out_features": 4},
+    },
+    "data": {"batch_size": 16, "microbatches": 1},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "pipeline": {"stages": 2},
+    "train": {"iterations": 3, "seed": 5},
+}
+
+
+def _config(sweep: dict[str, Any], **over: dict[str, Any]) -> RunConfig:
+    data = copy.deepcopy(BASE)
+    for key, value in over.items():
+        data[key].update(value)
+    data["sweep"] = sweep
+    return RunConfig.from_dict(data, source="sweep.toml")
+
+
+def test_grid_expands_to_the_cartesian_product_in_order() -> None:
+    cfg = _config({"grid": {"lr": [0.1, 0.01], "batch_size": [8, 16]}})
+    jobs = cfg.jobs
+    assert [(j.optimizer.lr, j.batch_size) for j in jobs] == [
+        (0.1, 8),
+        (0.1, 16),
+        (0.01, 8),
+        (0.01, 16),
+    ]
+    assert [j.index for j in jobs] == [0, 1, 2, 3]
+    assert jobs[0].name == "lr=0.1,batch_size=8"
+    assert all(j.seed == 5 and j.optimizer.momentum == 0.9 for j in jobs)  # the rest is inherited
+
+
+def test_explicit_jobs_may_switch_optimizer_and_drop_momentum() -> None:
+    cfg = _config(
+        {
+            "jobs": [
+                {"name": "a", "lr": 0.1},
+                {"name": "b", "optimizer": "adam", "lr": 1e-3, "seed": 9},
+            ]
+        }
+    )
+    a, b = cfg.jobs
+    assert (a.optimizer.name, a.optimizer.momentum) == ("sgd", 0.9)
+    assert (b.optimizer.name, b.optimizer.momentum, b.seed) == ("adam", 0.0, 9)
+
+
+def test_sweep_round_trips_through_the_resolved_dict() -> None:
+    cfg = _config({"grid": {"lr": [0.1, 0.01], "seed": [1, 2]}, "memory_budget": 2, "solver": "ga"})
+    again = RunConfig.from_dict(cfg.to_dict(), source="sweep.toml")
+    assert again.jobs == cfg.jobs
+    assert again.sweep is not None and again.sweep.memory_budget == 2 and again.sweep.solver == "ga"
+
+
+def test_without_a_sweep_the_run_is_a_one_job_array() -> None:
+    data = copy.deepcopy(BASE)
+    cfg = RunConfig.from_dict(data, source="x.toml")
+    (job,) = cfg.jobs
+    assert job.batch_size == 16 and job.seed == 5 and job.optimizer == cfg.optimizer
+
+
+@pytest.mark.parametrize(
+    ("sweep", "over", "message"),
+    [
+        ({"grid": {"lrr": [0.1]}}, {}, "[sweep.grid].lrr is not a field (allowed: lr, batch_size"),
+        ({"grid": {"lr": []}}, {}, "[sweep.grid].lr must be a non-empty list"),
+        (
+            {"grid": {"lr": [0.1]}, "jobs": [{"lr": 0.1}]},
+            {},
+            "exactly one of [sweep.grid] or [[sweep.jobs]]",
+        ),
+        ({}, {}, "exactly one of [sweep.grid] or [[sweep.jobs]]"),
+        ({"jobs": []}, {}, "[[sweep.jobs]] must list at least one job"),
+        ({"jobs": [{"lr": 0.1}, {"lr": -1.0}]}, {}, "[[sweep.jobs]][1].lr must be > 0 (got -1.0)"),
+        ({"jobs": [{"lr": 0.1, "dropout": 0.1}]}, {}, "[[sweep.jobs]][0].dropout is not a field"),
+        ({"jobs": [{"name": "x"}, {"name": "x"}]}, {}, "job names must be unique (repeated: x)"),
+        ({"grid": {"optimizer": ["lion"]}}, {}, "must be one of sgd, adam, adamw (got 'lion')"),
+        (
+            {"grid": {"lr": [0.1]}, "solver": "magic"},
+            {},
+            "[sweep].solver must be one of auto, bb, ga",
+        ),
+        (
+            {"grid": {"lr": [0.1]}, "halving_keep": 1.5},
+            {},
+            "[sweep].halving_keep must be in (0, 1)",
+        ),
+        (
+            {"grid": {"lr": [0.1]}},
+            {"data": {"microbatches": 2}},
+            "[data].microbatches must be 1 with a [sweep]",
+        ),
+        ({"grid": {"batch_size": [0]}}, {}, "batch_size must be >= 1"),
+    ],
+)
+def test_bad_sweeps_name_the_field(
+    sweep: dict[str, Any], over: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(PlanError) as err:
+        _config(sweep, **over)
+    assert "sweep.toml" in str(err.value)
+    assert message in str(err.value)
