@@ -342,6 +342,8 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from adaptipe.inject import add_inject_parser
+    from adaptipe.inject.collect import add_collect_parser
+    from adaptipe.japsp.solve import add_japsp_parser
     from adaptipe.models import MODEL_NAMES
     from adaptipe.monitor.live import add_monitor_parser
     from adaptipe.monitor.report import add_report_parser
@@ -448,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     add_inject_parser(sub)
+    add_collect_parser(sub)
+    add_japsp_parser(sub)
     add_monitor_parser(sub)
     add_report_parser(sub)
 

@@ -58,11 +58,10 @@ def validation_loss(
 ) -> float:
     """Mean loss over (up to ``max_batches`` batches of) the validation split."""
     data = spec.dataset(split="val")
+    if len(data) == 0:
+        raise PlanError(f"the validation split of {spec.name!r} is empty")
+    batch_size = min(batch_size, len(data))  # a small split is evaluated whole
     n = min(len(data) // batch_size, max_batches)
-    if n == 0:
-        raise PlanError(
-            f"the validation split of {spec.name!r} has fewer than {batch_size} samples"
-        )
     total = 0.0
     with torch.no_grad():
         for b in range(n):

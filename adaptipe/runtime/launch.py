@@ -121,9 +121,16 @@ def resolve_plans(config: RunConfig) -> Plans:
             f"(stages x virtual = {p.stages} x {p.virtual})"
         )
     if sweep:
-        raise PlanError(
-            f"{config.source}: [sweep] needs the JAPSP block-order solvers, which this build does not have yet"
-        )
+        from adaptipe.runtime.jobarray import plan_job_array
+
+        planned = plan_job_array(config, spec, partition)
+        validate(planned.schedule)
+        extra = {
+            "japsp-instance.json": planned.instance.to_json(),
+            "japsp-solution.json": planned.solution,
+        }
+        first = planned.profiles[config.jobs[0].batch_size]
+        return Plans(partition, planned.schedule, profile or first, extra)
     schedule = build_schedule(
         p.schedule,
         stages=p.stages,

@@ -1,0 +1,72 @@
+"""Baseline orders for a job-array: the schedules ArrayPipe is compared with (§V-A).
+
+Each treats the jobs as the micro-batches of one pipeline: GPipe (all forwards, then all
+backwards, in job order), 1F1B (PipeDream-Flush's per-stage warm-up / steady / cool-down
+order) and a round-robin dispatcher (whenever a stage can start a block, it serves the
+job after the one it served last, cyclically, among the blocks ready first).
+"""
+
+from __future__ import annotations
+
+from adaptipe.japsp.evaluate import Block, OpTable, Timeline, evaluate
+from adaptipe.japsp.instance import JapspInstance
+from adaptipe.schedule.onefoneb import one_f_one_b_order
+
+__all__ = ["BASELINES", "gpipe_orders", "one_f_one_b_orders", "round_robin_orders"]
+
+
+def gpipe_orders(inst: JapspInstance) -> Timeline:
+    """GPipe over jobs: every stage runs ``F0 .. F(J-1)`` then ``B0 .. B(J-1)``."""
+    jobs = range(inst.num_jobs)
+    order: tuple[Block, ...] = (*(("F", j) for j in jobs), *(("B", j) for j in jobs))
+    return evaluate(inst, [order] * inst.num_stages)
+
+
+def one_f_one_b_orders(inst: JapspInstance) -> Timeline:
+    """1F1B over jobs: stage ``s`` runs ``min(S-s-1, J)`` forwards, then F/B pairs."""
+    s_count, jobs = inst.num_stages, inst.num_jobs
+    orders = [list(one_f_one_b_order(s_count, jobs, s)) for s in range(s_count)]
+    return evaluate(inst, orders)
+
+
+def round_robin_orders(inst: JapspInstance) -> Timeline:
+    """Non-delay dispatch: the block that can start first goes next; among the blocks
+    of that stage ready by then, the stage takes the job cyclically after its last one."""
+    tab = OpTable.of(inst)
+    k2, jobs = 2 * tab.stages, tab.jobs
+    nxt = [j * k2 for j in range(jobs)]
+    ready = [0.0] * jobs
+    free = [0.0] * tab.stages
+    last = [-1] * tab.stages
+    seqs: list[list[int]] = [[] for _ in range(tab.stages)]
+    for _ in range(tab.n):
+        best: tuple[float, int] | None = None
+        es: dict[int, float] = {}
+        for j in range(jobs):
+            o = nxt[j]
+            if o >= (j + 1) * k2:
+                continue
+            m = tab.machine[o]
+            lm = last[m]
+            t = max(ready[j], free[m] + (tab.sw[lm] if lm >= 0 and lm // k2 != j else 0.0))
+            es[j] = t
+            if best is None or t < best[0]:
+                best = (t, m)
+        assert best is not None
+        t0, m = best
+        prev_job = last[m] // k2 if last[m] >= 0 else -1
+        pick = min(
+            (j for j, t in es.items() if tab.machine[nxt[j]] == m and t <= t0),
+            key=lambda j: (j - prev_job - 1) % jobs,
+        )
+        o = nxt[pick]
+        start = es[pick]
+        seqs[m].append(o)
+        free[m] = start + tab.dur[o]
+        last[m] = o
+        ready[pick] = start + tab.lag[o]
+        nxt[pick] = o + 1
+    return evaluate(tab, tab.orders(seqs))
+
+
+BASELINES = {"gpipe": gpipe_orders, "1f1b": one_f_one_b_orders, "rr": round_robin_orders}

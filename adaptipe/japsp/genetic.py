@@ -1,0 +1,382 @@
+"""ArrayPipe's genetic algorithm for large job-arrays (§IV-B "Genetic Algorithm").
+
+A chromosome is the paper's vector of length ``J x 2S`` in which job ``j`` appears once
+per block: its ``n``-th occurrence is the ``n``-th block of ``j``'s chain, so every
+permutation is feasible and crossover and mutation never repair. It is decoded into an
+active schedule (`adaptipe.japsp.evaluate.decode`). Each generation keeps the elite,
+picks parents by tournament, recombines them with the precedence operation crossover
+(POX: the genes of a random job subset keep their places from one parent, the others
+follow the second parent's order), mutates (swap, move, or shift all genes of one job),
+and improves the best child with a short tabu search on its critical path (N5 swaps at
+the ends of critical blocks and N7 moves of an operation to its block's ends), written
+back into the chromosome (Lamarckian).
+
+The initial population holds the baselines and *shifting-bottleneck* schedules: stage
+by stage, the stage whose ``1|r_j|L_max`` sub-problem (Alg. 1 line 14, heads and tails
+from the disjunctive graph of Fig. 6) is worst is sequenced by Schrage's rule, then the
+sequenced stages are re-optimised (Adams, Balas and Zawack's procedure); randomised
+variants add diversity. The run is deterministic for a seed when the generation cap
+(not the clock) ends it, and stops as soon as the makespan meets the lower bound.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Sequence
+
+from adaptipe.japsp.baselines import BASELINES
+from adaptipe.japsp.bounds import lower_bound, schrage
+from adaptipe.japsp.evaluate import (
+    OpTable,
+    Orders,
+    critical_blocks,
+    decode,
+    longest_paths,
+    semi_active,
+    to_seqs,
+)
+from adaptipe.japsp.instance import JapspInstance
+from adaptipe.japsp.solve import Result
+
+__all__ = ["job_moves", "shifting_bottleneck", "solve_ga", "tabu_search"]
+
+_EPS = 1e-9
+Seqs = list[list[int]]
+
+
+def shifting_bottleneck(
+    tab: OpTable, *, noise: float = 0.0, rng: random.Random | None = None
+) -> Seqs:
+    """Sequence the stages bottleneck first (Schrage per stage), re-optimising as it goes.
+
+    ``noise > 0`` perturbs the tails the rule compares (for randomised restarts).
+    """
+    s_count = tab.stages
+    seqs: Seqs = [[] for _ in range(s_count)]
+    done: list[int] = []
+
+    def solve_stage(m: int, head: list[float], tail: list[float]) -> tuple[list[int], float]:
+        if noise and rng is not None:
+            tail = [t * (1.0 + noise * rng.random()) for t in tail]
+        return schrage(tab, tab.machine_ops[m], head, tail)
+
+    def makespan(cand: Seqs) -> float:
+        lp = longest_paths(tab, cand)
+        return math.inf if lp is None else max(h + t for h, t in zip(*lp, strict=True))
+
+    while len(done) < s_count:
+        lp = longest_paths(tab, seqs)
+        assert lp is not None
+        head, tail = lp
+        worst: tuple[float, int, list[int]] | None = None
+        for m in range(s_count):
+            if m not in done:
+                seq, value = solve_stage(m, head, tail)
+                if worst is None or value > worst[0]:
+                    worst = (value, m, seq)
+        assert worst is not None
+        _, m, seq = worst
+        seqs[m] = seq
+        if longest_paths(tab, seqs) is None:  # Schrage broke a path through other stages
+            seqs[m] = sorted(tab.machine_ops[m], key=lambda o: (head[o], o))
+        done.append(m)
+        current = makespan(seqs)
+        for m2 in done[:-1]:
+            saved, seqs[m2] = seqs[m2], []
+            lp2 = longest_paths(tab, seqs)
+            assert lp2 is not None
+            seqs[m2], _ = solve_stage(m2, *lp2)
+            value = makespan(seqs)
+            if value <= current:
+                current = value
+            else:
+                seqs[m2] = saved
+    return seqs
+
+
+def _chromosome(tab: OpTable, start: Sequence[float]) -> list[int]:
+    """Operations sorted by start time (chain order breaks ties), as job ids."""
+    k2 = 2 * tab.stages
+    return [o // k2 for o in sorted(range(tab.n), key=lambda o: (start[o], o % k2, o))]
+
+
+def tabu_search(
+    tab: OpTable,
+    seqs: Seqs,
+    *,
+    iters: int,
+    rng: random.Random,
+    floor: float,
+    deadline: float,
+) -> tuple[Seqs, list[float], float, int]:
+    """Tabu search over N5/N7 critical-block moves (best non-tabu move each step,
+    aspiration by the best makespan). Returns the best orders, starts, makespan and the
+    number of evaluations."""
+    res = semi_active(tab, seqs)
+    assert res is not None
+    start, mk = res
+    best = (mk, [list(s) for s in seqs], start)
+    forbidden: dict[tuple[int, int], int] = {}
+    evals = 0
+    for it in range(iters):
+        if best[0] <= floor + _EPS or time.perf_counter() > deadline:
+            break
+        pos = [0] * tab.n
+        for seq in seqs:
+            for i, o in enumerate(seq):
+                pos[o] = i
+        chosen = None
+        for block in critical_blocks(tab, seqs, start):
+            m = tab.machine[block[0]]
+            first, last = pos[block[0]], pos[block[-1]]
+            moves = {(first, first + 1), (last, last - 1)}
+            for o in block[1:-1]:
+                moves.update(((pos[o], first), (pos[o], last)))
+            if len(block) > 2:
+                moves.update(((first, last), (last, first)))
+            for i, j in sorted(moves):
+                if time.perf_counter() > deadline:
+                    break
+                seq = seqs[m]
+                x = seq[i]
+                new = (
+                    [(x, seq[k]) for k in range(j, i)]
+                    if j < i
+                    else [(seq[k], x) for k in range(i + 1, j + 1)]
+                )
+                trial_seq = list(seq)
+                trial_seq.insert(j, trial_seq.pop(i))
+                trial = [*seqs[:m], trial_seq, *seqs[m + 1 :]]
+                evals += 1
+                out = semi_active(tab, trial)
+                if out is None:
+                    continue
+                if out[1] >= best[0] and any(forbidden.get(a, -1) >= it for a in new):
+                    continue
+                key = (out[1], rng.random())
+                if chosen is None or key < chosen[0]:
+                    chosen = (key, trial, out, new)
+        if chosen is None:
+            break
+        _, seqs, (start, mk), new = chosen
+        tenure = rng.randint(4, 10)
+        for a, b in new:
+            forbidden[(b, a)] = it + tenure
+        if mk < best[0] - _EPS:
+            best = (mk, [list(s) for s in seqs], start)
+    return best[1], best[2], best[0], evals
+
+
+def job_moves(
+    tab: OpTable, seqs: Seqs, mk: float, *, rng: random.Random, tries: int, deadline: float
+) -> tuple[Seqs, float, int]:
+    """Descent over macro moves the critical-path neighbourhoods cannot make: two jobs
+    trade places on every stage at once, or one job moves, on every stage, to just
+    before or just after another (a short job to the front starts the pipeline sooner,
+    one at the end drains it sooner). First improvement over ``tries`` random moves."""
+    k2, jobs = 2 * tab.stages, tab.jobs
+    moves = [(a, b, kind) for a in range(jobs) for b in range(jobs) if a != b for kind in (0, 1, 2)]
+    moves = [m for m in moves if m[2] or m[0] < m[1]]
+    evals = 0
+    improved = True
+    while improved:
+        improved = False
+        rng.shuffle(moves)
+        for a, b, kind in moves[:tries]:
+            if time.perf_counter() > deadline:
+                return seqs, mk, evals
+            if kind == 0:
+                swap = {a * k2 + k: b * k2 + k for k in range(k2)}
+                swap.update({b * k2 + k: a * k2 + k for k in range(k2)})
+                trial = [[swap.get(o, o) for o in seq] for seq in seqs]
+            else:
+                trial = []
+                for seq in seqs:
+                    out = []
+                    for o in seq:
+                        if o // k2 == b and kind == 1:
+                            out.append(o - (b - a) * k2)
+                        if o // k2 != a:
+                            out.append(o)
+                        if o // k2 == b and kind == 2:
+                            out.append(o - (b - a) * k2)
+                    trial.append(out)
+            evals += 1
+            res = semi_active(tab, trial)
+            if res is not None and res[1] < mk - _EPS:
+                seqs, mk, improved = trial, res[1], True
+                break
+    return seqs, mk, evals
+
+
+def _kick(tab: OpTable, seqs: Seqs, rng: random.Random) -> Seqs:
+    """A random job move of `job_moves`, taken whatever it costs (if it stays acyclic)."""
+    k2 = 2 * tab.stages
+    for _ in range(10):
+        a, b = rng.sample(range(tab.jobs), 2) if tab.jobs > 1 else (0, 0)
+        after = rng.random() < 0.5
+        trial = []
+        for seq in seqs:
+            out = []
+            for o in seq:
+                if o // k2 == b and not after:
+                    out.append(o - (b - a) * k2)
+                if o // k2 != a:
+                    out.append(o)
+                if o // k2 == b and after:
+                    out.append(o - (b - a) * k2)
+            trial.append(out)
+        if a != b and semi_active(tab, trial) is not None:
+            return trial
+    return seqs
+
+
+def _pox(rng: random.Random, p1: list[int], p2: list[int], jobs: int) -> list[int]:
+    keep = {j for j in range(jobs) if rng.random() < 0.5}
+    rest = iter([g for g in p2 if g not in keep])
+    return [g if g in keep else next(rest) for g in p1]
+
+
+def _mutate(rng: random.Random, ch: list[int], jobs: int) -> None:
+    n = len(ch)
+    kind = rng.random()
+    if kind < 0.4:
+        i, j = rng.randrange(n), rng.randrange(n)
+        ch[i], ch[j] = ch[j], ch[i]
+    elif kind < 0.8:
+        ch.insert(rng.randrange(n), ch.pop(rng.randrange(n)))
+    else:  # shift every gene of one job by the same offset: the job enters earlier or later
+        j = rng.randrange(jobs)
+        shift = rng.randint(-n // 3, n // 3)
+        places = [min(max(i + shift, 0), n - 1) for i, g in enumerate(ch) if g == j]
+        rest = [g for g in ch if g != j]
+        for p in places:
+            rest.insert(p, j)
+        ch[:] = rest
+
+
+def _seeds(
+    tab: OpTable, inst: JapspInstance, initial: Orders | None, rng: random.Random, deadline: float
+) -> list[Seqs]:
+    """Starting schedules: ``initial``, the baselines, shifting bottleneck, and up to six
+    randomised shifting-bottleneck runs (fewer on big instances, where one costs more)."""
+    out = [] if initial is None else [to_seqs(tab, initial)]
+    out.extend(to_seqs(tab, make(inst).orders) for make in BASELINES.values())
+    out.append(shifting_bottleneck(tab))
+    for _ in range(min(6, 200_000 // (tab.stages * tab.stages * tab.n))):
+        if time.perf_counter() > deadline:
+            break
+        out.append(shifting_bottleneck(tab, noise=0.3, rng=rng))
+    return out
+
+
+def solve_ga(
+    inst: JapspInstance,
+    *,
+    seed: int = 0,
+    time_limit_s: float = 1.0,
+    population: int | None = None,
+    generations: int | None = None,
+    initial: Orders | None = None,
+    local_search: bool = True,
+) -> Result:
+    """Run the GA (population 30 by default; no generation cap unless ``generations``)."""
+    t0 = time.perf_counter()
+    tab = OpTable.of(inst)
+    # leave room for the final decoding (about 2 ms per 1000 blocks)
+    deadline = t0 + 0.95 * time_limit_s - 3e-6 * tab.n
+    lb = lower_bound(tab)
+    rng = random.Random(seed)
+    size = population or 30
+    cap = generations if generations is not None else 1 << 30
+    jobs, evals = tab.jobs, 0
+    ts_iters = 150
+
+    def polish(seqs: Seqs) -> tuple[float, list[int]]:
+        """Macro job moves and tabu search, alternating while the moves pay."""
+        nonlocal evals
+        res = semi_active(tab, seqs)
+        assert res is not None
+        start, mk = res
+        for rnd in range(3 if local_search else 0):
+            seqs, moved, used = job_moves(tab, seqs, mk, rng=rng, tries=200, deadline=deadline)
+            evals += used
+            if rnd and moved >= mk - _EPS:
+                break
+            seqs, start, mk, used = tabu_search(
+                tab, seqs, iters=ts_iters, rng=rng, floor=lb, deadline=deadline
+            )
+            evals += used
+        ch = _chromosome(tab, start)
+        return decode(tab, ch)[2], ch  # decoding left-shifts, so never worse than mk
+
+    def decoded(ch: list[int]) -> tuple[float, list[int]]:
+        nonlocal evals
+        evals += 1
+        return decode(tab, ch)[2], ch
+
+    pop = []
+    for seqs in _seeds(tab, inst, initial, rng, deadline):
+        res = semi_active(tab, seqs)
+        assert res is not None
+        pop.append(decoded(_chromosome(tab, res[0])))
+    pop.sort(key=lambda x: x[0])
+    for i in range(min(4, len(pop))):  # polish the best seeds
+        if i and (time.perf_counter() > deadline or pop[0][0] <= lb + _EPS):
+            break
+        pop[i] = polish(decode(tab, pop[i][1])[0])
+    base = [g for j in range(jobs) for g in [j] * (2 * tab.stages)]
+    while len(pop) < size:
+        ch = list(base)
+        rng.shuffle(ch)
+        pop.append(decoded(ch))
+    pop.sort(key=lambda x: x[0])
+    best = pop[0]
+    elite = max(2, size // 10)
+    gen = stale = 0
+    while gen < cap and best[0] > lb + _EPS and time.perf_counter() < deadline:
+        gen += 1
+        nxt = pop[:elite]
+        while len(nxt) < size and time.perf_counter() < deadline:
+            a = min(rng.sample(pop, 3), key=lambda x: x[0])
+            b = min(rng.sample(pop, 3), key=lambda x: x[0])
+            child = _pox(rng, a[1], b[1], jobs) if rng.random() < 0.9 else list(a[1])
+            if rng.random() < 0.4:
+                _mutate(rng, child, jobs)
+            nxt.append(decoded(child))
+        # polish the best child, and a random one so that perturbed children get a chance
+        k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)
+        nxt[k] = polish(decode(tab, nxt[k][1])[0])
+        if len(nxt) > elite + 1:  # iterated local search: kick the best by a job move
+            k = rng.randrange(elite, len(nxt))
+            nxt[k] = polish(_kick(tab, decode(tab, best[1])[0], rng))
+        pop = sorted(nxt, key=lambda x: x[0])
+        if pop[0][0] < best[0] - _EPS:
+            best, stale = pop[0], 0
+        else:
+            stale += 1
+        if stale >= 25:  # restart around the best: keep it, re-randomise the rest
+            stale = 0
+            pop = [best] + [decoded(_shuffled(rng, best[1], jobs)) for _ in range(size - 1)]
+            pop.sort(key=lambda x: x[0])
+    seqs, _, _ = decode(tab, best[1])
+    out = semi_active(tab, seqs)
+    assert out is not None
+    return Result(
+        solver="ga",
+        orders=tab.orders(seqs),
+        makespan=out[1],
+        lower_bound=lb,
+        optimal=out[1] <= lb + _EPS,
+        seconds=time.perf_counter() - t0,
+        nodes=evals,
+    )
+
+
+def _shuffled(rng: random.Random, ch: list[int], jobs: int) -> list[int]:
+    child = list(ch)
+    for _ in range(3):
+        _mutate(rng, child, jobs)
+    return child

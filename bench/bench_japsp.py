@@ -1,0 +1,128 @@
+"""Benchmark the JAPSP solvers (ArrayPipe §IV-B) on generated job-arrays; prints one JSON object.
+
+Per size (jobs x stages) and ``--instances`` generated instances: branch-and-bound time
+and proofs on the small sizes, the GA's makespan against the optimum (when B&B or CP-SAT
+proved one), the lower bound and CP-SAT's best after ``--cpsat-time`` seconds (on the
+first ``--cpsat-instances`` instances, when OR-Tools is installed), its seconds, and the
+baselines' makespans relative to the GA's.
+
+    python bench/bench_japsp.py [--instances 10] [--cpsat-time 30] [--cpsat-instances 2]
+                                [--bb-time 5] [--costs] [--sizes 6x4,30x10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+from adaptipe.japsp import generate, lower_bound, solve
+from adaptipe.japsp.bnb import solve_bnb
+from adaptipe.japsp.cpsat import available as cpsat_available
+from adaptipe.japsp.genetic import solve_ga
+
+SIZES = ["4x4", "6x4", "15x4", "20x4", "30x4", "40x4", "30x10", "30x16", "64x8"]
+SMALL = {"4x4", "6x4"}
+GA_TIME = {"30x10": 3.0, "30x16": 3.0, "64x8": 3.0}  # 1 s for the others
+
+
+def _stats(values: list[float], digits: int = 4) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {
+        "mean": round(statistics.fmean(values), digits),
+        "max": round(max(values), digits),
+        "min": round(min(values), digits),
+    }
+
+
+def _size(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    jobs, stages = (int(v) for v in name.split("x"))
+    costs = {"comm": 0.1, "switch": 0.05, "update": 0.1} if args.costs else {}
+    ga_time = GA_TIME.get(name, 1.0)
+    rows: list[dict[str, Any]] = []
+    for seed in range(args.instances):
+        inst = generate(jobs, stages, seed=seed, **costs)
+        row: dict[str, Any] = {"seed": seed, "lower_bound": lower_bound(inst)}
+        ga = solve_ga(inst, seed=0, time_limit_s=ga_time)
+        row["ga"], row["ga_s"] = ga.makespan, ga.seconds
+        best = ga.makespan
+        if name in SMALL:
+            bb = solve_bnb(inst, time_limit_s=args.bb_time)
+            row.update(bb=bb.makespan, bb_s=bb.seconds, bb_optimal=bb.optimal, bb_nodes=bb.nodes)
+            best = min(best, bb.makespan)
+            if bb.optimal:
+                row["optimum"] = bb.makespan
+        if args.cpsat_time > 0 and seed < args.cpsat_instances and cpsat_available():
+            cp = solve(inst, solver="cpsat", time_limit_s=args.cpsat_time, seed=0)
+            row.update(cpsat=cp.makespan, cpsat_optimal=cp.optimal, cpsat_s=cp.seconds)
+            best = min(best, cp.makespan)
+            if cp.optimal:
+                row["optimum"] = cp.makespan
+        row["best_known"] = best
+        for base in ("gpipe", "1f1b", "rr"):
+            row[base] = solve(inst, solver=base).makespan
+        rows.append(row)
+
+    def ratios(key: str, ref: str) -> list[float]:
+        return [r[key] / r[ref] - 1.0 for r in rows if key in r and ref in r]
+
+    out: dict[str, Any] = {
+        "size": name,
+        "instances": len(rows),
+        "ga_time_limit_s": ga_time,
+        "ga_seconds": _stats([r["ga_s"] for r in rows], 3),
+        "ga_gap_to_optimum": _stats(ratios("ga", "optimum")),
+        "ga_gap_to_lower_bound": _stats(ratios("ga", "lower_bound")),
+        "ga_vs_cpsat": _stats(ratios("ga", "cpsat")),
+        "ga_vs_best_known": _stats(ratios("ga", "best_known")),
+        "optimum_known": sum("optimum" in r for r in rows),
+        "baselines_vs_ga": {b: _stats(ratios(b, "ga"), 3) for b in ("gpipe", "1f1b", "rr")},
+    }
+    if name in SMALL:
+        out["bb"] = {
+            "time_limit_s": args.bb_time,
+            "proved": sum(r["bb_optimal"] for r in rows),
+            "seconds": _stats([r["bb_s"] for r in rows], 3),
+            "proved_under_1s": sum(r["bb_optimal"] and r["bb_s"] < 1.0 for r in rows),
+            "nodes_max": max(r["bb_nodes"] for r in rows),
+            "gap_to_optimum": _stats(ratios("bb", "optimum")),
+        }
+    if any("cpsat" in r for r in rows):
+        out["cpsat"] = {
+            "time_limit_s": args.cpsat_time,
+            "instances": sum("cpsat" in r for r in rows),
+            "proved": sum(r.get("cpsat_optimal", False) for r in rows),
+            "gap_to_lower_bound": _stats(ratios("cpsat", "lower_bound")),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--instances", type=int, default=10)
+    parser.add_argument("--cpsat-time", type=float, default=30.0, help="0 skips CP-SAT")
+    parser.add_argument("--cpsat-instances", type=int, default=2)
+    parser.add_argument("--bb-time", type=float, default=5.0)
+    parser.add_argument("--costs", action="store_true", help="add comm, switch and update costs")
+    parser.add_argument("--sizes", default=",".join(SIZES))
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    table = [_size(name, args) for name in args.sizes.split(",")]
+    print(
+        json.dumps(
+            {
+                "benchmark": "japsp",
+                "cpsat_available": cpsat_available(),
+                "costs": args.costs,
+                "table": table,
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

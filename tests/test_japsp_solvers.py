@@ -1,0 +1,251 @@
+"""JAPSP solvers: feasible, honest about makespan and bound, exact where they claim it."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adaptipe.errors import PlanError, ScheduleError
+from adaptipe.japsp import JapspInstance, evaluate, generate, lower_bound, solve, to_schedule
+from adaptipe.japsp.bnb import solve_bnb
+from adaptipe.japsp.cpsat import available as cpsat_available
+from adaptipe.japsp.evaluate import OpTable, semi_active
+from adaptipe.japsp.genetic import solve_ga
+from adaptipe.japsp.solve import add_japsp_parser
+from adaptipe.schedule.validate import validate
+
+FAST = {"bb": 0.3, "ga": 0.05, "gpipe": None, "1f1b": None, "rr": None}
+
+
+def _build(
+    fwd: list[list[float]], bwd: list[list[float]], extras: dict[str, list[list[float]]]
+) -> JapspInstance:
+    return JapspInstance.build(
+        fwd,
+        bwd,
+        comm=extras.get("comm"),
+        switch=extras.get("switch"),
+        update=extras.get("update"),
+        recompute=extras.get("recompute"),
+    )
+
+
+@st.composite
+def instances(draw: st.DrawFn, max_jobs: int = 5, max_stages: int = 4) -> JapspInstance:
+    jobs = draw(st.integers(1, max_jobs))
+    stages = draw(st.integers(1, max_stages))
+
+    def table(lo: int, hi: int) -> list[list[float]]:
+        cell = st.integers(lo, hi).map(float)
+        return draw(
+            st.lists(st.lists(cell, min_size=stages, max_size=stages), min_size=jobs, max_size=jobs)
+        )
+
+    extras = {}
+    for key in ("comm", "switch", "update", "recompute"):
+        if draw(st.booleans()):
+            extras[key] = table(0, 4)
+    return _build(table(1, 12), table(1, 24), extras)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances())
+def test_every_solver_returns_feasible_orders_timed_as_reported(inst: JapspInstance) -> None:
+    lb = lower_bound(inst)
+    for solver, limit in FAST.items():
+        result = solve(inst, solver=solver, time_limit_s=limit)
+        timeline = evaluate(inst, result.orders)  # raises if infeasible
+        assert timeline.makespan == pytest.approx(result.makespan, abs=1e-9), solver
+        assert result.makespan >= lb - 1e-9, solver
+        assert result.lower_bound <= result.makespan + 1e-9, solver
+        assert not result.optimal or result.lower_bound == pytest.approx(result.makespan)
+        validate(to_schedule(inst, result.orders))
+
+
+def _brute_force(inst: JapspInstance) -> float:
+    """Best makespan over every combination of per-stage orders (F before B per job)."""
+    tab = OpTable.of(inst)
+    k2 = 2 * tab.stages
+    per_stage = []
+    for ops in tab.machine_ops:
+        ok = []
+        for perm in itertools.permutations(ops):
+            pos = {o: i for i, o in enumerate(perm)}
+            if all(pos[o] < pos[p] for o in perm for p in perm if o // k2 == p // k2 and o < p):
+                ok.append(list(perm))
+        per_stage.append(ok)
+    best = float("inf")
+    for combo in itertools.product(*per_stage):
+        res = semi_active(tab, combo)
+        if res is not None:
+            best = min(best, res[1])
+    return best
+
+
+def _tiny(seed: int) -> JapspInstance:
+    rng = random.Random(seed)
+    jobs, stages = rng.randint(1, 3), rng.randint(1, 2)
+
+    def table(lo: int, hi: int) -> list[list[float]]:
+        return [[float(rng.randint(lo, hi)) for _ in range(stages)] for _ in range(jobs)]
+
+    extras = {
+        k: table(0, 3) for k in ("comm", "switch", "update", "recompute") if rng.random() < 0.5
+    }
+    return _build(table(0 if seed % 5 == 0 else 1, 9), table(1, 9), extras)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bnb_matches_brute_force_and_proves_it(seed: int) -> None:
+    inst = _tiny(seed)
+    gpipe = solve(inst, solver="gpipe")
+    result = solve_bnb(inst, time_limit_s=10, initial=gpipe.orders)  # the search, not the GA
+    assert result.optimal
+    assert result.makespan == _brute_force(inst)
+    assert result.lower_bound == result.makespan
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bnb_proves_small_generated_instances(seed: int) -> None:
+    inst = generate(4, 3, seed=seed, switch=0.05, update=0.1)
+    result = solve(inst, solver="bb", time_limit_s=20)
+    assert result.optimal and result.gap == 0.0
+    if cpsat_available():
+        assert solve(inst, solver="cpsat", time_limit_s=20).makespan >= result.makespan
+
+
+SIX_BY_FOUR = [generate(6, 4, seed=s) for s in (0, 3, 6, 8)]
+
+
+@pytest.mark.parametrize("inst", SIX_BY_FOUR, ids=[f"6x4s{s}" for s in (0, 3, 6, 8)])
+def test_ga_is_within_one_percent_of_bnb_and_beats_the_baselines(inst: JapspInstance) -> None:
+    ga = solve_ga(inst, time_limit_s=1.0, seed=1)
+    bb = solve_bnb(inst, time_limit_s=1.5, initial=ga.orders)
+    assert bb.makespan <= ga.makespan <= 1.01 * bb.makespan
+    for name in ("gpipe", "1f1b", "rr"):
+        assert bb.makespan <= ga.makespan <= solve(inst, solver=name).makespan
+
+
+def test_ga_is_deterministic_for_a_seed() -> None:
+    inst = generate(8, 3, seed=5, switch=0.05)
+    runs = [solve_ga(inst, seed=7, time_limit_s=60, generations=6, population=12) for _ in range(2)]
+    assert runs[0].orders == runs[1].orders
+    assert runs[0].makespan == runs[1].makespan
+
+
+def test_ga_stops_at_the_lower_bound() -> None:
+    inst = JapspInstance.build([[1.0, 1.0]], [[2.0, 2.0]])  # one job: its chain is optimal
+    result = solve_ga(inst, time_limit_s=5)
+    assert result.optimal and result.makespan == 6.0 and result.seconds < 1
+
+
+def test_evaluate_rejects_incomplete_and_cyclic_orders() -> None:
+    inst = JapspInstance.build([[1.0, 1.0]] * 2, [[1.0, 1.0]] * 2)
+    with pytest.raises(ScheduleError, match="stage 1: missing blocks B1"):
+        evaluate(inst, [["F0", "F1", "B0", "B1"], ["F0", "F1", "B0"]])
+    with pytest.raises(ScheduleError, match="stage 0, position 0: B0 comes before F0"):
+        evaluate(inst, [["B0", "F0", "F1", "B1"], ["F0", "B0", "F1", "B1"]])
+    # stage 1 runs F1 first, which needs stage 0's F1, queued behind B0, which needs stage 1's B0
+    cyclic = [["F0", "B0", "F1", "B1"], ["F1", "B1", "F0", "B0"]]
+    with pytest.raises(
+        ScheduleError, match=r"orders are cyclic.*stage 1 waits at F1 for F1 on stage 0"
+    ):
+        evaluate(inst, cyclic)
+    with pytest.raises(PlanError, match="cyclic"):
+        to_schedule(2, cyclic)
+
+
+def test_switch_update_and_comm_follow_the_paper_equations() -> None:
+    inst = JapspInstance.build(
+        [[2.0, 3.0], [1.0, 1.0]],
+        [[4.0, 5.0], [2.0, 2.0]],
+        comm=[[1.0, 0.0], [1.0, 0.0]],
+        switch=[[0.5, 0.5], [0.25, 0.25]],
+        update=[[1.0, 1.0], [1.0, 1.0]],
+    )
+    t = evaluate(inst, [["F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]])
+    # stage 1: F0 at 2 + 1 (Eq. 5); B0 right after it (same job: no switch);
+    # F1 after B0's update (Eq. 9) and job 0's switch (Eq. 8): 3 + 3 + 5 + 1 + 0.5.
+    assert t.start[1] == (3.0, 6.0, 12.5, 13.5)
+    # stage 0: B0 waits for B0 on stage 1 to send its gradient (before its update, Eq. 6).
+    assert t.start[0][2] == 6.0 + 5.0 + 1.0
+    assert t.makespan == max(e for stage in t.end for e in stage)
+
+
+def test_compiled_schedule_steps_each_job_right_after_its_backward() -> None:
+    inst = generate(3, 3, seed=0, recompute=0.3)
+    schedule = to_schedule(inst, solve(inst, solver="rr").orders)
+    validate(schedule)
+    assert schedule.num_jobs == 3 and schedule.num_microbatches == 1 and schedule.recompute
+    for stage in schedule.stages:
+        kinds = [type(ins).__name__ for ins in stage]
+        for i, kind in enumerate(kinds):
+            if kind == "Backward":
+                nxt = kinds[i + 1 : i + 3]
+                assert "OptimizerStep" in nxt
+
+
+def test_solve_checks_its_arguments_and_auto_picks_by_size() -> None:
+    inst = generate(2, 2, seed=0)
+    with pytest.raises(PlanError, match="solver must be one of"):
+        solve(inst, solver="magic")
+    with pytest.raises(PlanError, match="time limit must be > 0"):
+        solve(inst, solver="ga", time_limit_s=0)
+    assert solve(inst, solver="auto").solver == "bb"
+    assert solve(inst, solver="auto", auto_threshold=1, time_limit_s=0.05).solver == "ga"
+
+
+@pytest.mark.skipif(not cpsat_available(), reason="ortools (adaptipe[cpsat]) is not installed")
+def test_cpsat_matches_bnb_on_a_small_instance() -> None:
+    inst = generate(3, 3, seed=2, switch=0.05, comm=0.1, update=0.1)
+    cp = solve(inst, solver="cpsat", time_limit_s=20)
+    bb = solve(inst, solver="bb", time_limit_s=20)
+    assert cp.optimal and bb.optimal and cp.makespan == bb.makespan
+    assert evaluate(inst, cp.orders).makespan == cp.makespan
+
+
+def test_cpsat_without_ortools_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    real = importlib.import_module
+
+    def fake(name: str, *args: object) -> object:
+        if name.startswith("ortools"):
+            raise ImportError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib, "import_module", fake)
+    with pytest.raises(
+        PlanError, match=r"install adaptipe\[cpsat\] \(ortools\) to use --solver cpsat"
+    ):
+        solve(generate(2, 2, seed=0), solver="cpsat")
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_japsp_parser(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+def test_command_prints_json_and_a_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "array.json"
+    file.write_text(json.dumps(generate(3, 2, seed=1).to_json()))
+    assert _run(["japsp", str(file), "--solver", "bb", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimal"] and out["makespan"] == out["lower_bound"]
+    assert {"seconds", "gap", "nodes", "solver"} <= set(out)
+    assert sorted(out["orders"][0]) == sorted(["F0", "F1", "F2", "B0", "B1", "B2"])
+    assert _run(["japsp", str(file), "--solver", "ga", "--time-limit", "0.1", "--seed", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "makespan" in text and "lower bound" in text and "stage 1:" in text
