@@ -40,11 +40,11 @@ def _stats(values: list[float], digits: int = 4) -> dict[str, float] | None:
 
 def _size(name: str, args: argparse.Namespace) -> dict[str, Any]:
     jobs, stages = (int(v) for v in name.split("x"))
-    costs = {"comm": 0.1, "switch": 0.05, "update": 0.1} if args.costs else {}
+    comm, switch, update = (0.1, 0.05, 0.1) if args.costs else (0.0, 0.0, 0.0)
     ga_time = GA_TIME.get(name, 1.0)
     rows: list[dict[str, Any]] = []
     for seed in range(args.instances):
-        inst = generate(jobs, stages, seed=seed, **costs)
+        inst = generate(jobs, stages, seed=seed, comm=comm, switch=switch, update=update)
         row: dict[str, Any] = {"seed": seed, "lower_bound": lower_bound(inst)}
         ga = solve_ga(inst, seed=0, time_limit_s=ga_time)
         row["ga"], row["ga_s"] = ga.makespan, ga.seconds

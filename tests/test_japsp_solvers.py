@@ -121,21 +121,26 @@ def test_bnb_proves_small_generated_instances(seed: int) -> None:
         assert solve(inst, solver="cpsat", time_limit_s=20).makespan >= result.makespan
 
 
-SIX_BY_FOUR = [generate(6, 4, seed=s) for s in (0, 3, 6, 8)]
+# Optima of generate(6, 4, seed=s), proven by OR-Tools CP-SAT 9.15 (B&B needs minutes here).
+SIX_BY_FOUR_OPTIMA = {0: 3816.0, 1: 3931.0, 2: 3938.0, 3: 8746.0, 4: 5437.0}
 
 
-@pytest.mark.parametrize("inst", SIX_BY_FOUR, ids=[f"6x4s{s}" for s in (0, 3, 6, 8)])
-def test_ga_is_within_one_percent_of_bnb_and_beats_the_baselines(inst: JapspInstance) -> None:
-    ga = solve_ga(inst, time_limit_s=1.0, seed=1)
-    bb = solve_bnb(inst, time_limit_s=1.5, initial=ga.orders)
-    assert bb.makespan <= ga.makespan <= 1.01 * bb.makespan
+@pytest.mark.parametrize("seed", sorted(SIX_BY_FOUR_OPTIMA))
+def test_ga_is_within_one_percent_of_the_optimum_and_beats_the_baselines(seed: int) -> None:
+    inst = generate(6, 4, seed=seed)
+    optimum = SIX_BY_FOUR_OPTIMA[seed]
+    # a generation cap, not the clock, ends the run: the result does not depend on speed
+    ga = solve_ga(inst, seed=1, time_limit_s=60, generations=3)
+    assert optimum <= ga.makespan <= 1.01 * optimum
+    bb = solve_bnb(inst, time_limit_s=0.5, initial=ga.orders)
+    assert optimum <= bb.makespan <= ga.makespan
     for name in ("gpipe", "1f1b", "rr"):
-        assert bb.makespan <= ga.makespan <= solve(inst, solver=name).makespan
+        assert ga.makespan <= solve(inst, solver=name).makespan
 
 
 def test_ga_is_deterministic_for_a_seed() -> None:
     inst = generate(8, 3, seed=5, switch=0.05)
-    runs = [solve_ga(inst, seed=7, time_limit_s=60, generations=6, population=12) for _ in range(2)]
+    runs = [solve_ga(inst, seed=7, time_limit_s=60, generations=2, population=10) for _ in range(2)]
     assert runs[0].orders == runs[1].orders
     assert runs[0].makespan == runs[1].makespan
 

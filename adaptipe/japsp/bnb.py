@@ -11,9 +11,13 @@ this module keeps every choice open and searches them depth first, which makes i
   ``o'`` could be left-shifted into the idle time and the schedule would not be active.
   An optimal schedule is active, so the search stays complete, and each active schedule
   is generated once (equal starts are taken in operation order).
-- *Bounding*: per stage, Jackson's preemptive schedule of the unscheduled blocks with
-  heads from the partial schedule (chain, stage availability with switch, and the
-  current start time) and static tails (`adaptipe.japsp.bounds.jackson`, Alg. 1 line 14).
+- *Bounding*: heads from the partial schedule (chain, stage availability with switch,
+  the current start time) and tails from the chains are first tightened against the
+  incumbent: two blocks of a stage that cannot run in one order without reaching it
+  are fixed in the other (immediate selection), to a fixed point. The bound is then the
+  largest of every stage's Jackson preemptive schedule (the ``1|r_j|L_max`` of Alg. 1
+  line 14, `adaptipe.japsp.bounds.jackson`) and of two-machine flow-shop bounds of
+  neighbouring stages (Johnson's rule on the forward and the backward pass).
 - *Symmetry*: jobs with identical costs are interchangeable, so they enter the pipeline
   in index order.
 - *Initial upper bound*: the GA (or a given schedule); children are explored best bound
@@ -34,8 +38,6 @@ from adaptipe.japsp.solve import Result
 __all__ = ["solve_bnb"]
 
 _EPS = 1e-9
-
-
 _INF = float("inf")
 
 
@@ -57,7 +59,6 @@ class _Search:
         self.open_bounds: list[float] = []
         k2, s_count = self.k2, tab.stages
         self.dext = [tab.dur[o] + (tab.sw[o] if o % k2 >= s_count else 0.0) for o in range(tab.n)]
-        self.qext = [tab.tail[o] - self.dext[o] for o in range(tab.n)]
         self.ties_by_id = min(tab.dur) > 0
         self.twin = _twins(tab)
         self.nxt = [j * k2 for j in range(tab.jobs)]

@@ -5,8 +5,9 @@ lags (Eq. 5-7), and per stage either a no-overlap constraint or, when the stage 
 switch costs, a circuit over its blocks whose chosen arcs ``a -> b`` impose
 ``start(b) >= end(a) + w_a`` for blocks of different jobs (Eq. 8-9; exact, no
 approximation), with the no-overlap kept as a redundant constraint. CP-SAT needs
-integers: times are scaled by the smallest power of ten (at most 10^4) that makes them
-integral, else rounded at that scale; the returned orders are re-timed exactly with
+integers: times are scaled by the smallest power of ten (up to 10^6) that makes them
+integral, else rounded at the finest scale that keeps the horizon under 10^9; the
+returned orders are re-timed exactly with
 `adaptipe.japsp.evaluate.evaluate`, and the solver's bound is only reported (and
 optimality only claimed) when the scaling was exact.
 """
@@ -44,12 +45,15 @@ def available() -> bool:
     return True
 
 
-def _scale(values: list[float]) -> tuple[int, bool]:
-    for k in range(5):
-        scale = 10**k
+def _scale(values: list[float]) -> tuple[float, bool]:
+    """The smallest power of ten making every value integral (exact), else the largest
+    one that keeps the total of all times below 10^9 (times in seconds: sub-microsecond)."""
+    for k in range(7):
+        scale = 10.0**k
         if all(abs(v * scale - round(v * scale)) < 1e-6 for v in values):
             return scale, True
-    return 10**4, False
+    total = max(sum(values), 1e-12)
+    return 10.0 ** math.floor(math.log10(1e9 / total)), False
 
 
 def solve_cpsat(

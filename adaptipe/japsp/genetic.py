@@ -7,93 +7,33 @@ active schedule (`adaptipe.japsp.evaluate.decode`). Each generation keeps the el
 picks parents by tournament, recombines them with the precedence operation crossover
 (POX: the genes of a random job subset keep their places from one parent, the others
 follow the second parent's order), mutates (swap, move, or shift all genes of one job),
-and improves the best child with a short tabu search on its critical path (N5 swaps at
-the ends of critical blocks and N7 moves of an operation to its block's ends), written
-back into the chromosome (Lamarckian).
+and improves the best child, and a copy of the best individual kicked by a random job
+move (iterated local search), by alternating *job moves* (two jobs trade places, or one
+moves before or after another, on every stage at once) with a short tabu search on the
+critical path (N5 swaps at the ends of critical blocks, N7 moves of an operation to its
+block's ends); the improved order is written back into the chromosome (Lamarckian).
 
-The initial population holds the baselines and *shifting-bottleneck* schedules: stage
-by stage, the stage whose ``1|r_j|L_max`` sub-problem (Alg. 1 line 14, heads and tails
-from the disjunctive graph of Fig. 6) is worst is sequenced by Schrage's rule, then the
-sequenced stages are re-optimised (Adams, Balas and Zawack's procedure); randomised
-variants add diversity. The run is deterministic for a seed when the generation cap
+The initial population holds the baselines and shifting-bottleneck schedules (plain and
+randomised, `adaptipe.japsp.baselines.shifting_bottleneck`). The run is deterministic for a seed when the generation cap
 (not the clock) ends it, and stops as soon as the makespan meets the lower bound.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Sequence
 
-from adaptipe.japsp.baselines import BASELINES
-from adaptipe.japsp.bounds import lower_bound, schrage
-from adaptipe.japsp.evaluate import (
-    OpTable,
-    Orders,
-    critical_blocks,
-    decode,
-    longest_paths,
-    semi_active,
-    to_seqs,
-)
+from adaptipe.japsp.baselines import BASELINES, shifting_bottleneck
+from adaptipe.japsp.bounds import lower_bound
+from adaptipe.japsp.evaluate import OpTable, Orders, critical_blocks, decode, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.japsp.solve import Result
 
-__all__ = ["job_moves", "shifting_bottleneck", "solve_ga", "tabu_search"]
+__all__ = ["job_moves", "solve_ga", "tabu_search"]
 
 _EPS = 1e-9
 Seqs = list[list[int]]
-
-
-def shifting_bottleneck(
-    tab: OpTable, *, noise: float = 0.0, rng: random.Random | None = None
-) -> Seqs:
-    """Sequence the stages bottleneck first (Schrage per stage), re-optimising as it goes.
-
-    ``noise > 0`` perturbs the tails the rule compares (for randomised restarts).
-    """
-    s_count = tab.stages
-    seqs: Seqs = [[] for _ in range(s_count)]
-    done: list[int] = []
-
-    def solve_stage(m: int, head: list[float], tail: list[float]) -> tuple[list[int], float]:
-        if noise and rng is not None:
-            tail = [t * (1.0 + noise * rng.random()) for t in tail]
-        return schrage(tab, tab.machine_ops[m], head, tail)
-
-    def makespan(cand: Seqs) -> float:
-        lp = longest_paths(tab, cand)
-        return math.inf if lp is None else max(h + t for h, t in zip(*lp, strict=True))
-
-    while len(done) < s_count:
-        lp = longest_paths(tab, seqs)
-        assert lp is not None
-        head, tail = lp
-        worst: tuple[float, int, list[int]] | None = None
-        for m in range(s_count):
-            if m not in done:
-                seq, value = solve_stage(m, head, tail)
-                if worst is None or value > worst[0]:
-                    worst = (value, m, seq)
-        assert worst is not None
-        _, m, seq = worst
-        seqs[m] = seq
-        if longest_paths(tab, seqs) is None:  # Schrage broke a path through other stages
-            seqs[m] = sorted(tab.machine_ops[m], key=lambda o: (head[o], o))
-        done.append(m)
-        current = makespan(seqs)
-        for m2 in done[:-1]:
-            saved, seqs[m2] = seqs[m2], []
-            lp2 = longest_paths(tab, seqs)
-            assert lp2 is not None
-            seqs[m2], _ = solve_stage(m2, *lp2)
-            value = makespan(seqs)
-            if value <= current:
-                current = value
-            else:
-                seqs[m2] = saved
-    return seqs
 
 
 def _chromosome(tab: OpTable, start: Sequence[float]) -> list[int]:
@@ -282,7 +222,14 @@ def solve_ga(
     initial: Orders | None = None,
     local_search: bool = True,
 ) -> Result:
-    """Run the GA (population 30 by default; no generation cap unless ``generations``)."""
+    """Run the GA within ``time_limit_s`` (population 30 unless ``population``).
+
+    Ends at the time limit, after ``generations`` generations, or at the lower bound.
+    The constructive seeds (baselines, one shifting-bottleneck run) are always built, so
+    a limit below their cost (about 0.1 s for 64 jobs x 8 stages) is overrun by it.
+    ``initial`` adds a schedule to the first population; ``local_search=False`` leaves
+    out the job moves and the tabu search (a plain GA).
+    """
     t0 = time.perf_counter()
     tab = OpTable.of(inst)
     # leave room for the final decoding (about 2 ms per 1000 blocks)
@@ -346,10 +293,10 @@ def solve_ga(
             if rng.random() < 0.4:
                 _mutate(rng, child, jobs)
             nxt.append(decoded(child))
-        # polish the best child, and a random one so that perturbed children get a chance
+        # polish the best child; replace a random one by the best, kicked and polished
         k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)
         nxt[k] = polish(decode(tab, nxt[k][1])[0])
-        if len(nxt) > elite + 1:  # iterated local search: kick the best by a job move
+        if len(nxt) > elite + 1:
             k = rng.randrange(elite, len(nxt))
             nxt[k] = polish(_kick(tab, decode(tab, best[1])[0], rng))
         pop = sorted(nxt, key=lambda x: x[0])
