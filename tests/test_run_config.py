@@ -118,6 +118,7 @@ def test_defaults_are_filled_in(tmp_path: Path) -> None:
         "schedule": "1f1b",
         "virtual": 1,
         "recompute": False,
+        "batch_weight_grads": False,
         "partition": "even",
         "vertical_sync": False,
         "update_every": None,
@@ -127,6 +128,7 @@ def test_defaults_are_filled_in(tmp_path: Path) -> None:
     assert (train.seed, train.device, train.backend, train.log_every) == (0, "cpu", "gloo", 1)
     assert (train.checkpoint_every, train.timeout_s, train.run_dir) == (0, 60.0, "runs/demo")
     assert train.threads_per_stage == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert (train.telemetry, train.telemetry_interval_s) == (True, 0.2)
 
 
 def test_data_seed_defaults_to_train_seed(tmp_path: Path) -> None:
@@ -307,6 +309,15 @@ ERRORS = [
     (_set("train", timeout_s=0), "[train].timeout_s must be > 0 (got 0.0)"),
     (_set("train", checkpoint_every=-1), "[train].checkpoint_every must be >= 0 (got -1)"),
     (_set("train", threads_per_stage=0), "[train].threads_per_stage must be >= 1 (got 0)"),
+    (
+        _set("train", telemetry_interval_s=0),
+        "[train].telemetry_interval_s must be > 0 (got 0.0)",
+    ),
+    (
+        _set("pipeline", schedule="pipedream", batch_weight_grads=True),
+        "[pipeline].batch_weight_grads needs a synchronous schedule "
+        "(gpipe, 1f1b, interleaved; got 'pipedream')",
+    ),
 ]
 
 

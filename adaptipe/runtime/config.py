@@ -26,6 +26,7 @@ file, the section and field, the value and what is allowed. A complete example::
     schedule = "1f1b"           # gpipe | 1f1b | interleaved | pipedream | 2bw
     virtual = 1                 # chunks per worker (interleaved only)
     recompute = false
+    batch_weight_grads = false  # weight gradients once per batch (synchronous schedules)
     partition = "even"          # a planner, a Partition JSON path, or bounds [0, 3, 6]
     bandwidth = "inf"           # for the planners, e.g. "1GB/s"
 
@@ -38,6 +39,8 @@ file, the section and field, the value and what is allowed. A complete example::
     log_every = 10
     backend = "auto"            # auto | gloo | nccl
     timeout_s = 60.0            # collective and p2p timeout
+    telemetry = true            # stream stage stats and device samples to the manager
+    telemetry_interval_s = 0.2  # device-status sample period (0.1-0.5 s typical)
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>
 """
@@ -145,6 +148,7 @@ class PipelineSection:
     schedule: str = field(default="1f1b", metadata=_rule(choices=SCHEDULE_NAMES))
     virtual: int = field(default=1, metadata=_rule(minimum=1))
     recompute: bool = False
+    batch_weight_grads: bool = False
     partition: str | tuple[int, ...] = "even"
     vertical_sync: bool = False
     update_every: int | None = field(default=None, metadata=_rule(minimum=1))
@@ -169,6 +173,8 @@ class TrainSection:
     log_every: int = field(default=1, metadata=_rule(minimum=1))
     backend: str = field(default="gloo", metadata=_rule(choices=("auto", "gloo", "nccl")))
     timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
+    telemetry: bool = True
+    telemetry_interval_s: float = field(default=0.2, metadata=_rule(positive=True))
     run_dir: str = "runs/run"
 
 
@@ -457,6 +463,12 @@ def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
             src,
             "[data].microbatches",
             f"must divide batch_size {data.batch_size} (got {data.microbatches})",
+        )
+    if pipe.batch_weight_grads and pipe.schedule in ("pipedream", "2bw"):
+        raise _fail(
+            src,
+            "[pipeline].batch_weight_grads",
+            f"needs a synchronous schedule (gpipe, 1f1b, interleaved; got {pipe.schedule!r})",
         )
     try:
         build_schedule(

@@ -33,7 +33,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.worker import TELEMETRY_ENV
+from adaptipe.runtime.worker import TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.schedule.validate import validate
@@ -234,6 +234,7 @@ def _spawn(
     *,
     resume: bool,
     telemetry: str | None,
+    telemetry_interval_s: float = 0.2,
     control_dir: Path | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     port = _free_port()
@@ -252,7 +253,11 @@ def _spawn(
             LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(stages),
             PYTHONPATH=pythonpath,
-            **({TELEMETRY_ENV: telemetry} if telemetry else {}),
+            **(
+                {TELEMETRY_ENV: telemetry, TELEMETRY_INTERVAL_ENV: str(telemetry_interval_s)}
+                if telemetry
+                else {}
+            ),
             **({CONTROL_DIR_ENV: str(control_dir)} if control_dir else {}),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
@@ -391,17 +396,21 @@ def _run(
     run.clear_stage_files()
     follower = _Follower(run, schedule.num_stages, cfg.data.batch_size)
     t0 = time.monotonic()
-    collector = Collector(jsonl=run.telemetry).start()
+    # Injection events travel as telemetry, so a scenario keeps the collector on.
+    monitored = cfg.train.telemetry or scenario is not None
+    collector = Collector(jsonl=run.telemetry).start() if monitored else None
     control_dir = run.root / "inject" if scenario is not None else None
     procs = _spawn(
         run,
         schedule.num_stages,
         resume=resume,
-        telemetry=collector.address,
+        telemetry=collector.address if collector is not None else None,
+        telemetry_interval_s=cfg.train.telemetry_interval_s,
         control_dir=control_dir,
     )
     interference = None
     if scenario is not None:
+        assert collector is not None
         interference = _Interference(
             scenario, collector.address, run.root / "inject", procs, inject_seed
         )
@@ -437,7 +446,8 @@ def _run(
         if interference is not None:
             interference.stop()
         _stop(procs)
-        collector.close()
+        if collector is not None:
+            collector.close()
     wall = time.monotonic() - t0
     summary = _summarise(
         run, follower.merged, start=start, wall=wall, batch_size=cfg.data.batch_size

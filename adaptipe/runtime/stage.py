@@ -93,6 +93,8 @@ class StageExecutor:
             (1..G-1) for ``job`` (jobs of an array may differ in batch size).
         binder: per-job layer states of a job-array; ``None`` for one job, whose
             parameters live in the slots' modules.
+        batch_weight_grads: compute weight gradients once per batch at the optimizer
+            step instead of once per micro-batch (synchronous schedules only).
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class StageExecutor:
         boundary_specs: dict[tuple[int, int], TensorSpec],
         binder: Binder | None = None,
         memory: MemoryManager | None = None,
+        batch_weight_grads: bool = False,
     ) -> None:
         self.schedule = schedule
         self.stage = stage
@@ -117,6 +120,7 @@ class StageExecutor:
         self.boundary_specs = boundary_specs
         self.binder = binder
         self.memory = memory  # job-arrays with fewer resident states than jobs
+        self.batch_weight_grads = batch_weight_grads
         if binder is not None and schedule.weights != "sync":
             raise ValueError(
                 f"job-arrays run synchronous schedules (got weights={schedule.weights!r})"

@@ -273,6 +273,7 @@ def _train(
         boundary_specs={},
         binder=state.binder,
         memory=state.memory,
+        batch_weight_grads=config.pipeline.batch_weight_grads,
     )
     executor.set_boundary_specs(_negotiate_shapes(executor, schedule, rank, first_inputs, device))
     executor.steps_done = steps
