@@ -310,15 +310,35 @@ def _cmd_train(args: argparse.Namespace) -> int:
         out.print(table)
     if summary.jobs:
         ranking = Table(title="jobs ranked by validation loss")
-        for col in ("rank", "job", "val loss", "train loss"):
-            ranking.add_column(col, justify="left" if col == "job" else "right")
+        for col in ("rank", "job", "val loss", "train loss", "stopped"):
+            ranking.add_column(col, justify="left" if col in ("job", "stopped") else "right")
         for row in summary.jobs:
             train_loss = "-" if row.get("train_loss") is None else f"{row['train_loss']:.4f}"
-            ranking.add_row(str(row["rank"]), row["name"], f"{row['val_loss']:.4f}", train_loss)
+            stop = row.get("stopped")
+            when = "" if stop is None else f"at iteration {stop.get('iteration')}: "
+            ranking.add_row(
+                str(row["rank"]),
+                row["name"],
+                f"{row['val_loss']:.4f}",
+                train_loss,
+                "-" if stop is None else when + str(stop.get("reason")),
+            )
         out.print(ranking)
     out.print(
         f"run directory: {summary.run_dir}"
         + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
+    )
+    return 0
+
+
+# --------------------------------------------------------------------------- stop
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from adaptipe.runtime.control import stop_jobs
+
+    stopped = stop_jobs(args.run_dir, args.jobs, reason=args.reason)
+    print(
+        f"asked {args.run_dir} to stop job(s) {', '.join(map(str, stopped))}; the array is "
+        "re-planned and switches at the next iteration boundary"
     )
     return 0
 
@@ -454,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_japsp_parser(sub)
     add_monitor_parser(sub)
     add_report_parser(sub)
+
+    p = sub.add_parser("stop", help="stop jobs of a running job-array (the others keep training)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running array")
+    p.add_argument("jobs", nargs="+", metavar="JOB", help="job names or indices in the sweep")
+    p.add_argument("--reason", default="user", help="recorded with the stop (default: user)")
+    p.set_defaults(func=_cmd_stop)
 
     p = sub.add_parser(
         "prepare", help="write a run's plans without starting workers (for torchrun)"

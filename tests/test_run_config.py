@@ -184,7 +184,7 @@ def load_optimizer(table: dict[str, Any]) -> Any:
     return RunConfig.from_dict(data).optimizer
 
 
-@pytest.mark.parametrize("name", ["gpt-1f1b.toml", "mlp-gpipe.toml"])
+@pytest.mark.parametrize("name", ["gpt-1f1b.toml", "mlp-gpipe.toml", "sweep-halving.toml"])
 def test_example_configs_load(name: str) -> None:
     config = load_config(EXAMPLES / name)
     assert RunConfig.from_dict(config.to_dict(), source=config.source) == config

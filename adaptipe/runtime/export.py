@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +18,29 @@ __all__ = ["evaluate_jobs", "load_trained_model", "validation_loss"]
 
 
 def load_trained_model(
-    run_dir: str | Path, *, job: int | None = None, device: str = "cpu"
+    run_dir: str | Path,
+    *,
+    job: int | None = None,
+    device: str = "cpu",
+    checkpoint: str | Path | None = None,
 ) -> tuple[ModelSpec, nn.Sequential]:
     """The model declaration and its layers with the latest committed parameters.
 
     Checkpoint keys are global layer indices, so the stages' files assemble into one
     `nn.Sequential` regardless of how the run was partitioned. For a job-array pass
-    ``job`` (its index in the sweep); a one-job run needs none.
+    ``job`` (its index in the sweep); a one-job run needs none. ``checkpoint`` picks a
+    committed checkpoint folder other than the latest.
     """
     run = RunDir(run_dir)
     config = run.read_config()
-    found = ckpt.latest(run.checkpoints)
+    spec, tensors = _checkpoint_tensors(run, config, checkpoint)
+    return spec, _job_model(run, config, spec, tensors, job, device)
+
+
+def _checkpoint_tensors(
+    run: RunDir, config: Any, checkpoint: str | Path | None
+) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    found = Path(checkpoint) if checkpoint is not None else ckpt.latest(run.checkpoints)
     if found is None:
         raise PlanError(f"{run.root}: no committed checkpoint yet")
     tensors, meta = ckpt.load(found)
@@ -39,6 +52,17 @@ def load_trained_model(
         num_layers=spec.num_layers,
         source=str(found),
     )
+    return spec, tensors
+
+
+def _job_model(
+    run: RunDir,
+    config: Any,
+    spec: ModelSpec,
+    tensors: dict[str, torch.Tensor],
+    job: int | None,
+    device: str,
+) -> nn.Sequential:
     if config.sweep is not None:
         if job is None or not 0 <= job < len(config.jobs):
             raise PlanError(
@@ -50,7 +74,7 @@ def load_trained_model(
     for index, layer in enumerate(model):
         ckpt.load_layer_state(index, layer, None, tensors)
     model.eval()
-    return spec, model
+    return model
 
 
 def validation_loss(
@@ -70,14 +94,26 @@ def validation_loss(
     return total / n
 
 
-def evaluate_jobs(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every job of a run with its validation loss, best first (the sweep's ranking)."""
+def evaluate_jobs(
+    run_dir: str | Path,
+    *,
+    jobs: Iterable[int] | None = None,
+    checkpoint: str | Path | None = None,
+) -> list[dict[str, Any]]:
+    """Jobs of a run (all, or ``jobs``) with their validation loss, best first.
+
+    The sweep's ranking, and successive halving's evidence at a rung (``checkpoint``).
+    """
     run = RunDir(run_dir)
     config = run.read_config()
+    spec, tensors = _checkpoint_tensors(run, config, checkpoint)
+    wanted = set(jobs) if jobs is not None else None
     rows: list[dict[str, Any]] = []
     for job in config.jobs:
-        spec, model = load_trained_model(
-            run_dir, job=job.index if config.sweep is not None else None
+        if wanted is not None and job.index not in wanted:
+            continue
+        model = _job_model(
+            run, config, spec, tensors, job.index if config.sweep is not None else None, "cpu"
         )
         rows.append(
             {

@@ -19,7 +19,7 @@ from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["JobArrayPlan", "plan_job_array"]
+__all__ = ["JobArrayPlan", "plan_active", "plan_job_array"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,4 +79,46 @@ def plan_job_array(
     schedule = to_schedule(instance, result.orders)
     return JobArrayPlan(
         instance=instance, schedule=schedule, solution=result.to_json(), profiles=profiles
+    )
+
+
+def plan_active(config: RunConfig, instance: JapspInstance, jobs: list[int]) -> Schedule:
+    """Re-plan an array for the jobs still running (sweep indices, in order).
+
+    Uses the run's JAPSP instance restricted to those jobs' rows, so nothing is profiled
+    again; the schedule numbers them 0..k-1 (see `adaptipe.runtime.control.ActiveSet`).
+    """
+    from dataclasses import replace
+
+    from adaptipe.japsp.compile import to_schedule
+    from adaptipe.japsp.solve import solve
+    from adaptipe.schedule.validate import validate
+
+    assert config.sweep is not None
+    if not jobs or any(not 0 <= j < instance.num_jobs for j in jobs):
+        raise ValueError(f"plan_active: jobs {jobs} must be a non-empty subset of the array")
+
+    def rows(table: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+        return tuple(table[j] for j in jobs)
+
+    sub = replace(
+        instance,
+        names=tuple(instance.names[j] for j in jobs),
+        forward=rows(instance.forward),
+        backward=rows(instance.backward),
+        comm=rows(instance.comm),
+        switch=rows(instance.switch),
+        update=rows(instance.update),
+        recompute=rows(instance.recompute),
+    )
+    result = solve(
+        sub,
+        solver=config.sweep.solver,
+        time_limit_s=config.sweep.time_limit_s,
+        seed=config.train.seed,
+    )
+    schedule = to_schedule(sub, result.orders)
+    validate(schedule)
+    return replace(
+        schedule, meta={**schedule.meta, "makespan": result.makespan, "solver": result.solver}
     )

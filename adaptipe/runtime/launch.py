@@ -27,11 +27,13 @@ import adaptipe
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import AdaptipeError, PlanError
 from adaptipe.inject.injectors import CONTROL_DIR_ENV
+from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.monitor.collector import Collector
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
+from adaptipe.runtime.control import JobController
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 from adaptipe.schedule.build import build_schedule
@@ -169,13 +171,14 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 class _Follower:
     """Reads the workers' per-stage reports as they grow and merges iterations."""
 
-    def __init__(self, run: RunDir, stages: int, batch_size: int) -> None:
+    def __init__(self, run: RunDir, stages: int, batch_sizes: dict[str, int]) -> None:
         self.run = run
         self.stages = stages
-        self.batch_size = batch_size
+        self.batch_sizes = batch_sizes  # per job (sweep index as a string)
         self.offsets = [0] * stages
         self.pending: dict[int, dict[int, dict[str, Any]]] = {}
         self.merged: list[dict[str, Any]] = []
+        self.switches: list[dict[str, Any]] = []  # active-set changes, as stage 0 saw them
         self.ready = 0
         self.last_end: float | None = None
 
@@ -194,6 +197,8 @@ class _Follower:
                 rec = json.loads(line)
                 if rec.get("event") == "ready":
                     self.ready += 1
+                elif rec.get("event") == "active" and s == 0:
+                    self.switches.append(rec)
                 elif "iteration" in rec and "event" not in rec:
                     self.pending.setdefault(rec["iteration"], {})[s] = rec
         for it in sorted(self.pending):
@@ -209,12 +214,15 @@ class _Follower:
             self.last_end = end
             loss = next((r["loss"] for r in recs.values() if "loss" in r), None)
             losses = next((r["losses"] for r in recs.values() if "losses" in r), None)
+            jobs = losses if losses is not None else self.batch_sizes
+            samples = sum(self.batch_sizes.get(j, 0) for j in jobs)
             merged = {
                 "iteration": it,
                 "loss": loss,
                 "losses": losses,
                 "iteration_s": span,
-                "samples_per_s": self.batch_size / span if span > 0 else None,
+                "samples": samples,
+                "samples_per_s": samples / span if span > 0 else None,
                 "stages": [
                     {
                         k: recs[s][k]
@@ -394,7 +402,10 @@ def _run(
 ) -> TrainSummary:
     total = cfg.iterations_total(len(spec.dataset(split=cfg.data.split)))
     run.clear_stage_files()
-    follower = _Follower(run, schedule.num_stages, cfg.data.batch_size)
+    follower = _Follower(
+        run, schedule.num_stages, {str(job.index): job.batch_size for job in cfg.jobs}
+    )
+    controller = _controller(run, cfg, total)
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
@@ -415,7 +426,10 @@ def _run(
             scenario, collector.address, run.root / "inject", procs, inject_seed
         )
     try:
-        with run.metrics.open("a") as metrics:
+        with (
+            run.metrics.open("a") as metrics,
+            (run.root / "control.jsonl").open("a") as control_log,
+        ):
             while True:
                 new = follower.poll()
                 if (
@@ -431,6 +445,10 @@ def _run(
                         interference.on_iteration(rec["iteration"] + 1)
                     if on_iteration is not None:
                         on_iteration(rec, total)
+                if controller is not None:
+                    for event in controller.poll():
+                        control_log.write(json.dumps(event) + "\n")
+                        control_log.flush()
                 codes = [p.poll() for p in procs]
                 failed = next((s for s, c in enumerate(codes) if c not in (None, 0)), None)
                 if failed is not None:
@@ -449,23 +467,45 @@ def _run(
         if collector is not None:
             collector.close()
     wall = time.monotonic() - t0
-    summary = _summarise(
-        run, follower.merged, start=start, wall=wall, batch_size=cfg.data.batch_size
-    )
+    summary = _summarise(run, follower.merged, start=start, wall=wall)
     if cfg.sweep is not None:
-        summary = replace(summary, jobs=_rank_jobs(run, follower.merged))
+        summary = replace(summary, jobs=_rank_jobs(run, follower.merged, follower.switches))
     write_json(run.summary, summary.to_json())
     return summary
 
 
-def _rank_jobs(run: RunDir, merged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The sweep's jobs ranked by validation loss, with their last training loss."""
+def _controller(run: RunDir, cfg: RunConfig, total: int) -> JobController | None:
+    """The early-termination controller of a job-array run (None for one job)."""
+    if cfg.sweep is None:
+        return None
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    return JobController(run, cfg, instance, total=total)
+
+
+def _rank_jobs(
+    run: RunDir, merged: list[dict[str, Any]], switches: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The sweep's jobs ranked by validation loss, with their last training loss and,
+    for jobs stopped early, when and why."""
+    from adaptipe.runtime.control import current_version, read_active
     from adaptipe.runtime.export import evaluate_jobs
 
-    last: dict[str, float] = next((r["losses"] for r in reversed(merged) if r.get("losses")), {})
+    last: dict[str, float] = {}
+    for rec in merged:
+        last.update(rec.get("losses") or {})
+    stopped = read_active(run, current_version(run)).stopped
+    # The iteration a stop took effect at: the first switch whose active set lacks the job.
+    took_effect: dict[int, int] = {}
+    for switch in switches:
+        for job in stopped:
+            if job not in switch["jobs"]:
+                took_effect.setdefault(job, int(switch["iteration"]))
     rows = evaluate_jobs(run.root)
     for row in rows:
         row["train_loss"] = last.get(str(row["job"]))
+        info = stopped.get(int(row["job"]))
+        if info is not None:
+            row["stopped"] = {**info, "iteration": took_effect.get(int(row["job"]))}
     return rows
 
 
@@ -542,7 +582,7 @@ def _failure(run: RunDir, stage: int, code: int | None) -> StageFailed:
 
 
 def _summarise(
-    run: RunDir, merged: list[dict[str, Any]], *, start: int, wall: float, batch_size: int
+    run: RunDir, merged: list[dict[str, Any]], *, start: int, wall: float
 ) -> TrainSummary:
     # Steady-state throughput: skip the first iteration (start-up, warm caches).
     steady = merged[1:] if len(merged) > 1 else merged
@@ -562,7 +602,7 @@ def _summarise(
         iterations=len(merged),
         start_iteration=start,
         final_loss=merged[-1]["loss"] if merged else None,
-        samples_per_s=batch_size * len(steady) / span if span > 0 else 0.0,
+        samples_per_s=sum(r["samples"] for r in steady) / span if span > 0 else 0.0,
         wall_s=wall,
         stages=stages,
         checkpoint=str(last) if last else None,

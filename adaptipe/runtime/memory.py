@@ -215,29 +215,7 @@ class MemoryManager:
             return
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device} is not available (no CUDA in this torch)")
-        needed = _needed(self.order)
-        least = max(len(s) for s in needed)
-        if budget < least:
-            pos = max(range(len(needed)), key=lambda p: len(needed[p]))
-            raise ValueError(
-                f"memory budget {budget} is below the minimum {least} for this stage's block "
-                f"order: at block {pos} (job {self.order[pos]}) jobs {sorted(needed[pos])} must "
-                f"be resident (a job whose forward ran and whose backward has not keeps "
-                f"activations that reference its parameters); allowed: 0 (keep all) or "
-                f"{least}..{num_jobs}"
-            )
-        self._n = len(self.order)
-        self._positions: dict[int, list[int]] = {}
-        for pos, job in enumerate(self.order):
-            self._positions.setdefault(job, []).append(pos)
-        spans = _spans(self.order)
-        # After block p runs, until the next block: jobs between their first and last block.
-        self._open_after = [
-            {j for j, (first, last) in spans.items() if first <= p < last} for p in range(self._n)
-        ]
-        self._needed = needed
-        self._last = {j: last for j, (_, last) in spans.items()}
-        self._clock = 0  # blocks begun since the manager was built
+        self._set_order(self.order)
         self._awaiting_step: set[int] = set()
         self._loading: dict[int, _Pending] = {}
         self._host_buffers: dict[int, dict[_Key, Tensor]] = {j: {} for j in range(num_jobs)}
@@ -324,6 +302,57 @@ class MemoryManager:
         if self.enabled:
             self.synchronize()
             self._mover.close()
+
+    def reorder(self, order: Sequence[int]) -> None:
+        """Adopt a new block order at an iteration boundary (jobs of the array stopped).
+
+        Jobs absent from the new order are offloaded to host memory, freeing their
+        device memory for the others; their states stay readable (checkpoints).
+        """
+        order = list(order)
+        num_jobs = self.binder.num_jobs
+        for pos, job in enumerate(order):
+            if not 0 <= job < num_jobs:
+                raise ValueError(
+                    f"order[{pos}] = {job} is not a job of this stage (0..{num_jobs - 1})"
+                )
+        if not self.enabled:
+            self.order = order
+            return
+        if not order:
+            raise ValueError("reorder: the new block order is empty")
+        self.synchronize()
+        self._set_order(order)
+        self._awaiting_step.clear()
+        for job in sorted(self.resident - set(order)):
+            self._evict(job)
+        self._mover.synchronize()
+
+    def _set_order(self, order: list[int]) -> None:
+        needed = _needed(order)
+        least = max(len(s) for s in needed)
+        if self.budget < least:
+            pos = max(range(len(needed)), key=lambda p: len(needed[p]))
+            raise ValueError(
+                f"memory budget {self.budget} is below the minimum {least} for this stage's "
+                f"block order: at block {pos} (job {order[pos]}) jobs {sorted(needed[pos])} "
+                f"must be resident (a job whose forward ran and whose backward has not keeps "
+                f"activations that reference its parameters); allowed: 0 (keep all) or "
+                f"{least}..{self.binder.num_jobs}"
+            )
+        self.order = order
+        self._n = len(order)
+        self._positions: dict[int, list[int]] = {}
+        for pos, job in enumerate(order):
+            self._positions.setdefault(job, []).append(pos)
+        spans = _spans(order)
+        # After block p runs, until the next block: jobs between their first and last block.
+        self._open_after = [
+            {j for j, (first, last) in spans.items() if first <= p < last} for p in range(self._n)
+        ]
+        self._needed = needed
+        self._last = {j: last for j, (_, last) in spans.items()}
+        self._clock = 0  # blocks begun since the order was set
 
     # ------------------------------------------------------------------ policy
     def _next_use(self, job: int, pos: int) -> int:

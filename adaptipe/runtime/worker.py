@@ -35,6 +35,7 @@ from adaptipe.monitor.publisher import Publisher
 from adaptipe.monitor.schema import StageStats
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.control import ActiveFollower, ActiveSet, is_rung
 from adaptipe.runtime.data import BatchStream, loss_scale, split_microbatches
 from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
@@ -279,6 +280,20 @@ def _train(
     executor.steps_done = steps
     total = config.iterations_total(len(dataset))
     every = config.train.checkpoint_every
+    # Job-arrays: which jobs train, agreed on at every iteration boundary (early stops).
+    follower = (
+        ActiveFollower(
+            run,
+            config,
+            rank=rank,
+            total=total,
+            device=device,
+            wait_s=0.8 * config.train.timeout_s,
+        )
+        if config.sweep is not None
+        else None
+    )
+    active = set(range(len(jobs)))
     publisher = _telemetry(rank)
     with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
         if publisher is not None:
@@ -302,8 +317,25 @@ def _train(
                 raise InjectedFault(f"fault injected at iteration {it} ({FAULT_ENV})")
             if control_dir:
                 _apply_interference(control_dir, rank, executor, transport)
+            switched = follower.at_boundary(it) if follower is not None else None
+            if switched is not None and switched.version > 0:
+                executor = _switch_jobs(executor, switched, len(jobs), state, rank)
+                active = set(switched.jobs)
+                _log(
+                    log,
+                    {
+                        "event": "active",
+                        "stage": rank,
+                        "iteration": it,
+                        "version": switched.version,
+                        "jobs": list(switched.jobs),
+                    },
+                )
             per_job: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
-            for stream in streams:
+            for j, stream in enumerate(streams):
+                if j not in active:  # a stopped job reads no more data
+                    per_job.append([(None, None)] * m)
+                    continue
                 x, y = next(stream)
                 pairs = split_microbatches(x.to(device), y.to(device), m)
                 per_job.append(
@@ -330,7 +362,7 @@ def _train(
             if publisher is not None:
                 publisher.publish(_stage_stats(run, rank, it, stats, state.chunks, device))
             done = it + 1
-            if (every > 0 and done % every == 0) or done == total:
+            if (every > 0 and done % every == 0) or done == total or is_rung(config, done, total):
                 _save_checkpoint(
                     run,
                     state,
@@ -343,6 +375,34 @@ def _train(
                 )
                 _log(log, {"event": "checkpoint", "stage": rank, "iteration": done})
         _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
+
+
+def _switch_jobs(
+    executor: StageExecutor, active: ActiveSet, num_jobs: int, state: StageState, rank: int
+) -> StageExecutor:
+    """An executor for the re-planned array (at an iteration boundary: nothing in flight).
+
+    Layer slots, per-job states, transport and negotiated shapes carry over; only the
+    instruction list changes, and the memory manager follows the new block order.
+    """
+    schedule = active.global_schedule(num_jobs)
+    if state.memory is not None:
+        state.memory.reorder(block_order(schedule.stages[rank]))
+    new = StageExecutor(
+        schedule=schedule,
+        stage=rank,
+        chunks=executor.chunks,
+        loss_fn=executor.loss_fn,
+        loss_scale=executor.loss_scale,
+        transport=executor.transport,
+        boundary_specs=executor.boundary_specs,
+        binder=executor.binder,
+        memory=executor.memory,
+        batch_weight_grads=executor.batch_weight_grads,
+    )
+    new.steps_done = executor.steps_done
+    new.slowdown = executor.slowdown
+    return new
 
 
 def _memory_manager(

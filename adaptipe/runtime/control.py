@@ -1,0 +1,412 @@
+"""Early termination in a job-array: stop requests, successive halving, the active set.
+
+A job of a running array can be stopped by the user (``adaptipe stop RUN_DIR JOB`` or
+`stop_jobs`) or by successive halving on validation loss (``[sweep] halving_every``).
+Either way the manager re-plans the block order for the remaining jobs from the run's
+JAPSP instance (no re-profiling) and publishes a new *active set*; the workers adopt it
+at the next iteration boundary, where nothing is in flight, without a restart. The
+remaining jobs' numerics are untouched: each job's state, data stream and optimizer
+only ever see that job's blocks.
+
+Files under ``RUN_DIR/control/``::
+
+    requests/stop-*.json   one per stop request: {"jobs": [...], "reason": ...}
+    active-NNNN.json       active set version N: jobs, stopped jobs, schedule (immutable)
+    active.json            {"version": N}: the newest version (the commit point)
+    rung-NNNNNN.json       successive halving decided at that iteration: {"version": N}
+
+Rank 0 reads ``active.json`` at each iteration boundary and broadcasts the version, so
+every worker switches at the same boundary; each then reads the immutable version
+file. At a halving rung rank 0 first waits for the manager's decision, which makes the
+set of survivors (and the iteration they are decided at) deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from adaptipe.errors import PlanError
+from adaptipe.japsp.instance import JapspInstance
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.schedule.types import Instruction, Schedule
+from adaptipe.serial import read_json, write_json
+
+__all__ = [
+    "ActiveFollower",
+    "ActiveSet",
+    "JobController",
+    "current_version",
+    "halving_survivors",
+    "is_rung",
+    "read_active",
+    "remap_jobs",
+    "stop_jobs",
+]
+
+ACTIVE_KIND = "active_set"
+ACTIVE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveSet:
+    """Which jobs of the array train, and the schedule that orders their blocks.
+
+    ``schedule`` numbers the active jobs 0..k-1 (it is an ordinary, validated job-array
+    schedule); ``jobs[i]`` is the sweep index of its job ``i``. `global_schedule` gives
+    the same instruction lists with sweep indices, which is what the workers execute.
+    """
+
+    version: int
+    jobs: tuple[int, ...]
+    schedule: Schedule
+    stopped: dict[int, dict[str, Any]] = field(default_factory=dict)  # job -> why, when
+
+    def global_schedule(self, num_jobs: int) -> Schedule:
+        return remap_jobs(self.schedule, self.jobs, num_jobs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": ACTIVE_KIND,
+            "version": ACTIVE_VERSION,
+            "active_version": self.version,
+            "jobs": list(self.jobs),
+            "stopped": {str(j): info for j, info in sorted(self.stopped.items())},
+            "schedule": self.schedule.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "active set") -> ActiveSet:
+        if not isinstance(data, dict) or data.get("kind") != ACTIVE_KIND:
+            raise PlanError(f"{source}: not an active-set file")
+        try:
+            jobs = tuple(int(j) for j in data["jobs"])
+            stopped = {int(j): dict(v) for j, v in data.get("stopped", {}).items()}
+            version = int(data["active_version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{source}: malformed active set ({exc})") from None
+        schedule = Schedule.from_json(data["schedule"], source=f"{source}: schedule")
+        if schedule.num_jobs != len(jobs):
+            raise PlanError(
+                f"{source}: the schedule has {schedule.num_jobs} jobs but {len(jobs)} are active"
+            )
+        return cls(version=version, jobs=jobs, schedule=schedule, stopped=stopped)
+
+
+def remap_jobs(schedule: Schedule, jobs: Sequence[int], num_jobs: int) -> Schedule:
+    """``schedule`` with its job ``i`` renamed ``jobs[i]``, in an array of ``num_jobs``.
+
+    The result is for execution only: jobs not in ``jobs`` have no instructions, which
+    the validator (it checks every job of ``num_jobs``) would rightly reject.
+    """
+    if len(jobs) != schedule.num_jobs or len(set(jobs)) != len(jobs):
+        raise PlanError(f"remap_jobs: {list(jobs)} must name {schedule.num_jobs} distinct jobs")
+    if any(not 0 <= j < num_jobs for j in jobs):
+        raise PlanError(f"remap_jobs: jobs {list(jobs)} must lie in 0..{num_jobs - 1}")
+
+    def rename(ins: Instruction) -> Instruction:
+        return replace(ins, job=jobs[ins.job])
+
+    return replace(
+        schedule,
+        num_jobs=num_jobs,
+        stages=tuple(tuple(rename(i) for i in stage) for stage in schedule.stages),
+        meta={**schedule.meta, "jobs": list(jobs)},
+    )
+
+
+# ---------------------------------------------------------------------- files
+def _control(run: RunDir) -> Path:
+    return run.root / "control"
+
+
+def _version_path(run: RunDir, version: int) -> Path:
+    return _control(run) / f"active-{version:04d}.json"
+
+
+def _rung_path(run: RunDir, iteration: int) -> Path:
+    return _control(run) / f"rung-{iteration:06d}.json"
+
+
+def current_version(run: RunDir) -> int:
+    """The newest committed active-set version (0: the run's initial schedule)."""
+    try:
+        return int(read_json(_control(run) / "active.json")["version"])
+    except (OSError, PlanError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def read_active(run: RunDir, version: int, config: RunConfig | None = None) -> ActiveSet:
+    """Active-set ``version``; version 0 is every job with the run's ``schedule.json``."""
+    if version == 0:
+        config = config if config is not None else run.read_config()
+        return ActiveSet(
+            version=0, jobs=tuple(range(len(config.jobs))), schedule=run.read_schedule()
+        )
+    path = _version_path(run, version)
+    return ActiveSet.from_json(read_json(path), source=str(path))
+
+
+def rung_decided(run: RunDir, iteration: int) -> int | None:
+    """The active-set version decided at halving rung ``iteration``, if it is decided."""
+    path = _rung_path(run, iteration)
+    if not path.exists():
+        return None
+    return int(read_json(path)["version"])
+
+
+def is_rung(config: RunConfig, iteration: int, total: int) -> bool:
+    """Whether successive halving decides at the boundary before ``iteration`` (of ``total``)."""
+    every = config.sweep.halving_every if config.sweep is not None else 0
+    return every > 0 and 0 < iteration < total and iteration % every == 0
+
+
+def halving_survivors(losses: dict[int, float], keep: float) -> list[int]:
+    """The best ``ceil(keep * n)`` jobs by validation loss (at least one); ties by index.
+
+    A non-finite loss (a diverged job) ranks last.
+    """
+    n = max(1, math.ceil(keep * len(losses)))
+    ranked = sorted(losses, key=lambda j: (not math.isfinite(losses[j]), losses[j], j))
+    return sorted(ranked[:n])
+
+
+# ---------------------------------------------------------------------- user API
+def _resolve_jobs(config: RunConfig, jobs: Sequence[int | str], where: str) -> list[int]:
+    names = {job.name: job.index for job in config.jobs}
+    out: list[int] = []
+    for job in jobs:
+        if isinstance(job, int) or (isinstance(job, str) and job.isdigit()):
+            index = int(job)
+            if not 0 <= index < len(config.jobs):
+                raise PlanError(
+                    f"{where}: job {index} is not in the array (0..{len(config.jobs) - 1})"
+                )
+        elif job in names:
+            index = names[job]
+        else:
+            raise PlanError(
+                f"{where}: no job named {job!r} (jobs: {', '.join(names)}; or an index)"
+            )
+        out.append(index)
+    return out
+
+
+def stop_jobs(
+    run_dir: str | os.PathLike[str], jobs: Sequence[int | str], *, reason: str = "user"
+) -> list[int]:
+    """Ask a running job-array to stop ``jobs`` (sweep indices or names); returns indices.
+
+    The manager re-plans for the remaining jobs and the workers switch at the next
+    iteration boundary. Stopping every job, or a run that is not a job-array, is an error.
+    """
+    run = RunDir(Path(run_dir))
+    if not run.config_json.exists():
+        raise PlanError(f"{run.root}: not a run directory (no config.json)")
+    config = run.read_config()
+    if config.sweep is None:
+        raise PlanError(f"{run.root}: not a job-array run (no [sweep]); nothing to stop")
+    if not jobs:
+        raise PlanError(f"{run.root}: name at least one job to stop")
+    indices = _resolve_jobs(config, jobs, str(run.root))
+    active = read_active(run, current_version(run), config)
+    if not set(active.jobs) - set(indices):
+        raise PlanError(
+            f"{run.root}: stopping {sorted(set(indices))} would leave no job running "
+            f"(active: {list(active.jobs)}); stop the run instead"
+        )
+    folder = _control(run) / "requests"
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"stop-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
+    write_json(folder / name, {"jobs": indices, "reason": reason, "time": time.time()})
+    return indices
+
+
+# ---------------------------------------------------------------------- manager
+class JobController:
+    """The manager's side: turns stop requests and halving rungs into active sets.
+
+    ``poll(done)`` is called from the manager's loop with the number of iterations
+    every stage has finished; it never blocks the workers except at a halving rung,
+    where rank 0 waits for the decision.
+    """
+
+    def __init__(
+        self, run: RunDir, config: RunConfig, instance: JapspInstance, *, total: int
+    ) -> None:
+        if config.sweep is None:
+            raise PlanError("JobController needs a job-array run ([sweep])")
+        self.run = run
+        self.config = config
+        self.instance = instance
+        self.total = total
+        self.version = current_version(run)
+        self.active = read_active(run, self.version, config)
+        self._seen: set[str] = set()
+        self.events: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Handle new stop requests and a pending halving rung; returns new events."""
+        new: list[dict[str, Any]] = []
+        folder = _control(self.run) / "requests"
+        if folder.is_dir():
+            for path in sorted(folder.glob("stop-*.json")):
+                if path.name in self._seen:
+                    continue
+                self._seen.add(path.name)
+                try:
+                    request = read_json(path)
+                    jobs = [int(j) for j in request["jobs"]]
+                    reason = str(request.get("reason", "user"))
+                except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
+                    new.append({"event": "stop_rejected", "request": path.name, "why": str(exc)})
+                    continue
+                new.extend(self._stop(jobs, reason=reason, iteration=None))
+        new.extend(self._halving())
+        self.events.extend(new)
+        return new
+
+    def _halving(self) -> list[dict[str, Any]]:
+        from adaptipe.runtime import checkpoint as ckpt
+        from adaptipe.runtime.export import evaluate_jobs
+
+        sweep = self.config.sweep
+        assert sweep is not None
+        if sweep.halving_every <= 0:
+            return []
+        found = ckpt.latest(self.run.checkpoints)
+        if found is None:
+            return []
+        iteration = int(read_json(found / ckpt.COMMITTED)["iteration"])
+        if (
+            not is_rung(self.config, iteration, self.total)
+            or rung_decided(self.run, iteration) is not None
+        ):
+            return []
+        events: list[dict[str, Any]] = []
+        if len(self.active.jobs) > 1:
+            rows = evaluate_jobs(self.run.root, jobs=self.active.jobs, checkpoint=found)
+            losses = {int(r["job"]): float(r["val_loss"]) for r in rows}
+            keep = halving_survivors(losses, sweep.halving_keep)
+            gone = [j for j in self.active.jobs if j not in keep]
+            events.append(
+                {
+                    "event": "halving",
+                    "iteration": iteration,
+                    "val_loss": {str(j): v for j, v in losses.items()},
+                    "kept": keep,
+                }
+            )
+            events.extend(
+                self._stop(
+                    gone,
+                    reason=f"successive halving at iteration {iteration}",
+                    iteration=iteration,
+                    losses=losses,
+                )
+            )
+        write_json(_rung_path(self.run, iteration), {"version": self.version})
+        return events
+
+    def _stop(
+        self,
+        jobs: Sequence[int],
+        *,
+        reason: str,
+        iteration: int | None,
+        losses: dict[int, float] | None = None,
+    ) -> list[dict[str, Any]]:
+        from adaptipe.runtime.jobarray import plan_active
+
+        gone = [j for j in dict.fromkeys(jobs) if j in self.active.jobs]
+        remaining = [j for j in self.active.jobs if j not in gone]
+        if not gone:
+            return []
+        if not remaining:
+            return [{"event": "stop_rejected", "jobs": list(gone), "why": "no job would remain"}]
+        schedule = plan_active(self.config, self.instance, remaining)
+        stopped = dict(self.active.stopped)
+        for j in gone:
+            info: dict[str, Any] = {"reason": reason, "decided_at": iteration}
+            if losses is not None and j in losses:
+                info["val_loss"] = losses[j]
+            stopped[j] = info
+        version = self.version + 1
+        active = ActiveSet(
+            version=version, jobs=tuple(remaining), schedule=schedule, stopped=stopped
+        )
+        write_json(_version_path(self.run, version), active.to_json())
+        write_json(_control(self.run) / "active.json", {"version": version})
+        self.version, self.active = version, active
+        return [
+            {
+                "event": "stop",
+                "jobs": list(gone),
+                "reason": reason,
+                "active": list(remaining),
+                "version": version,
+                "makespan": schedule.meta.get("makespan"),
+            }
+        ]
+
+
+# ---------------------------------------------------------------------- workers
+class ActiveFollower:
+    """A worker's side: agree on the active set at each iteration boundary.
+
+    Rank 0 reads the newest version (at a halving rung it first waits for the
+    manager's decision) and broadcasts it; every rank then reads that version's
+    immutable file. `at_boundary` returns the new `ActiveSet` when it changed.
+    """
+
+    def __init__(
+        self,
+        run: RunDir,
+        config: RunConfig,
+        *,
+        rank: int,
+        total: int,
+        device: Any,
+        wait_s: float,
+        poll_s: float = 0.02,
+    ) -> None:
+        self.run, self.config, self.rank, self.total = run, config, rank, total
+        self.device = device
+        self.wait_s, self.poll_s = wait_s, poll_s
+        self.active: ActiveSet | None = None
+
+    def at_boundary(self, iteration: int) -> ActiveSet | None:
+        import torch
+        import torch.distributed as dist
+
+        version = -1
+        if self.rank == 0:
+            many = self.active is None or len(self.active.jobs) > 1
+            if many and is_rung(self.config, iteration, self.total):
+                self._wait_for_rung(iteration)
+            version = current_version(self.run)
+        box = torch.tensor([version], dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(box, src=0)
+        version = int(box.item())
+        if self.active is not None and version == self.active.version:
+            return None
+        self.active = read_active(self.run, version, self.config)
+        return self.active
+
+    def _wait_for_rung(self, iteration: int) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while rung_decided(self.run, iteration) is None:
+            if time.monotonic() > deadline:
+                raise PlanError(
+                    f"successive halving: no decision for iteration {iteration} from the "
+                    f"manager within {self.wait_s:.0f} s (is `adaptipe train` still running?)"
+                )
+            time.sleep(self.poll_s)
