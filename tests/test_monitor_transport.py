@@ -23,6 +23,7 @@ from adaptipe.monitor import (
     CurveKeys,
     DeviceSample,
     LinkMeter,
+    LinkSample,
     MonitorError,
     Publisher,
     StageStats,
@@ -155,6 +156,20 @@ def test_device_sampler_publishes_samples(collector: Collector) -> None:
     assert sample is not None and sample.source == "cpu" and "rss_bytes" in sample.fields
     with pytest.raises(MonitorError, match=r"interval_s must be in \[0.1, 0.5\]"):
         DeviceSampler(publisher.publish, stage=0, interval_s=0.01)
+
+
+def test_link_samples_are_kept_per_link_in_a_ring(collector: Collector) -> None:
+    meter = LinkMeter(0, 1)
+    with Publisher(collector.address, stage=0) as publisher:
+        for i in range(6):
+            meter.record(1000 * (i + 1), 0.001)
+            assert publisher.publish(meter.sample(1000 * (i + 1), 0.001))
+        assert publisher.publish(LinkMeter(1, 0).sample(10, 0.0))
+        assert _until(lambda: collector.accepted == 7)
+    assert [s.nbytes for s in collector.link_history(0, 1)] == [3000, 4000, 5000, 6000]
+    assert collector.links()[(0, 1)].nbytes == 6000 and collector.links()[(1, 0)].nbytes == 10
+    assert collector.link_history(5, 6) == []
+    assert sum(isinstance(r, LinkSample) for r in collector.records()) == 5  # 4 + 1
 
 
 def test_sampler_survives_a_failing_probe() -> None:

@@ -1,6 +1,7 @@
 """`adaptipe monitor` and `adaptipe report` read a run directory's logs: the terminal view
-shows the right per-stage numbers, the report draws its charts and page, events show up,
-bad lines are skipped and counted, and missing files give an error that names them."""
+shows the right per-stage and per-link numbers, the report draws its charts and page,
+events show up, bad lines are skipped and counted, and missing files give an error that
+names them."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ from typing import Any
 import pytest
 
 from adaptipe.errors import PlanError
+from adaptipe.monitor.bandwidth import LinkMeter
 from adaptipe.monitor.live import (
     JsonlTail,
     MonitorState,
     add_monitor_parser,
     load_run,
     render,
+    render_links,
 )
 from adaptipe.monitor.report import add_report_parser, make_report
-from adaptipe.monitor.schema import DeviceSample, Event, StageStats
+from adaptipe.monitor.schema import DeviceSample, Event, LinkSample, StageStats
 
 T0 = 1.7e9
 ITERATIONS = 10
@@ -48,12 +51,25 @@ def _stage_stats(stage: int, it: int) -> StageStats:
     )
 
 
+def _link_samples(meters: dict[int, LinkMeter], it: int) -> list[LinkSample]:
+    """4 KiB each way per iteration; link 0 -> 1 takes 4 ms instead of 2 from iteration 5."""
+    out = []
+    for src, seconds in ((0, 0.004 if it >= 5 else 0.002), (1, 0.001)):
+        meter = meters.setdefault(src, LinkMeter(src, 1 - src))
+        meter.record(4096, seconds)
+        sample = meter.sample(4096, seconds)
+        out.append(LinkSample.from_dict({**sample.to_dict(), "time_s": T0 + 0.1 * (it + 1)}))
+    return out
+
+
 def _write_run(root: Path) -> Path:
     """A finished two-stage run of 10 iterations with a CPU hog over iterations 4-8."""
     root.mkdir(parents=True)
     records: list[Any] = []
+    meters: dict[int, LinkMeter] = {}
     for it in range(ITERATIONS):
         records += [_stage_stats(s, it) for s in (0, 1)]
+        records += _link_samples(meters, it)
         records += [
             DeviceSample(
                 stage=s,
@@ -135,7 +151,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_report_writes_pngs_and_a_page_that_embeds_them(report: tuple[Path, str]) -> None:
     out, text = report
-    for chart in ("throughput", "stage_times", "device", "layers"):
+    for chart in ("throughput", "stage_times", "device", "layers", "links"):
         data = (out / f"{chart}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", chart
         assert len(data) > 20_000, (chart, len(data))
@@ -143,6 +159,19 @@ def test_report_writes_pngs_and_a_page_that_embeds_them(report: tuple[Path, str]
     # self-contained: nothing fetched, nothing run
     assert "<script" not in text and "http" not in text
     assert "lr=0.1" in text and "final loss" in text  # the summary and the jobs ranking
+
+
+def test_report_has_a_link_section_with_each_links_totals(report: tuple[Path, str]) -> None:
+    _, text = report
+    assert "Links (bandwidth per iteration)" in text
+    # 10 iterations of 4 KiB: link 0 -> 1 busy 5 x 2 ms + 5 x 4 ms, link 1 -> 0 10 x 1 ms
+    row_01 = text[text.index(">0 → 1</td>") :].split("</tr>")[0]
+    row_10 = text[text.index(">1 → 0</td>") :].split("</tr>")[0]
+    # samples, MB sent, mean MB/s (40960 B / 30 ms), slowest and fastest iteration, smoothed
+    assert "<td>10</td><td>0.04096</td><td>1.37</td><td>1.02</td><td>2.05</td>" in row_01
+    assert (
+        "<td>10</td><td>0.04096</td><td>4.10</td><td>4.10</td><td>4.10</td><td>4.10</td>" in row_10
+    )
 
 
 def test_report_lists_the_injection_as_a_span_and_other_events_as_points(
@@ -164,7 +193,7 @@ def test_bad_telemetry_lines_are_skipped_and_counted(
     log = load_run(run_dir)
     assert dict(log.skipped["telemetry.jsonl"]) == {"malformed": 1, "missing-field": 1}
     assert dict(log.skipped["metrics.jsonl"]) == {"malformed": 2}
-    assert len(log.records) == 4 * ITERATIONS + 3 and len(log.metrics) == ITERATIONS
+    assert len(log.records) == 6 * ITERATIONS + 3 and len(log.metrics) == ITERATIONS
     assert "Skipped 2 bad line(s): telemetry.jsonl 1 malformed, 1 missing-field" in report[1]
 
 
@@ -198,14 +227,35 @@ def test_render_shows_one_row_per_stage_with_means_over_the_window(run_dir: Path
     assert "injection-end" in str(table.caption)
 
 
+def test_render_links_shows_one_row_per_link_over_the_window(run_dir: Path) -> None:
+    state = MonitorState(window=4, source=str(run_dir))
+    assert render_links(state) is None  # nothing measured yet: no table
+    for record in load_run(run_dir).records:
+        state.add(record)
+    table = render_links(state)
+    assert table is not None and table.row_count == 2
+    cols = {str(c.header): [str(cell) for cell in c.cells] for c in table.columns}
+    assert cols["link"] == ["0 → 1", "1 → 0"]
+    # the last 4 iterations: 4 KiB per iteration, 4 ms on 0 -> 1 and 1 ms on 1 -> 0
+    assert cols["window mean"] == ["1000.0 KiB/s", "3.9 MiB/s"]
+    assert cols["bytes/iter"] == ["4.0 KiB", "4.0 KiB"]
+    assert cols["busy ms"] == ["4.00", "1.00"]
+    assert cols["busy %"] == ["20%", "3%"]  # of stage 0's 20 ms and stage 1's 30 ms iterations
+    # the smoothed estimate of 0 -> 1 is still coming down from 2 MB/s towards 1 MB/s
+    smoothed = state.links[(0, 1)][-1].bandwidth_Bps
+    assert 1_024_000 < smoothed < 2_048_000
+
+
 def test_monitor_once_prints_the_stage_rows_and_the_skipped_count(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     args = _cli(["monitor", str(run_dir), "--once", "--window", "4"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if "MiB" in line]
+    rows = [line for line in out.splitlines() if "MiB" in line and "→" not in line]
     assert len(rows) == 2 and "24.00" in rows[1]
+    links = [line for line in out.splitlines() if "→" in line]
+    assert len(links) == 2 and "4.00" in links[0] and "1.00" in links[1]
     assert "loss 0.2000" in out and "320 samples/s" in out and "finished" in out
     assert "injection-end" in out and "Skipped 2 bad line(s)" in out
 
@@ -215,8 +265,10 @@ def test_monitor_replay_once_ends_where_the_run_ended(
 ) -> None:
     args = _cli(["monitor", str(run_dir), "--once", "--replay", "--window", "4"])
     assert args.func(args) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if "MiB" in line]
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if "MiB" in line and "→" not in line]
     assert len(rows) == 2 and "24.00" in rows[1]
+    assert len([line for line in out if "→" in line]) == 2
 
 
 def test_monitor_on_an_address_binds_a_collector(capsys: pytest.CaptureFixture[str]) -> None:

@@ -314,6 +314,10 @@ ERRORS = [
         "[train].telemetry_interval_s must be > 0 (got 0.0)",
     ),
     (
+        _set("train", telemetry_interval_s=1.0),
+        "[train].telemetry_interval_s must be between 0.1 and 0.5 seconds (got 1.0)",
+    ),
+    (
         _set("pipeline", schedule="pipedream", batch_weight_grads=True),
         "[pipeline].batch_weight_grads needs a synchronous schedule "
         "(gpipe, 1f1b, interleaved; got 'pipedream')",

@@ -3,19 +3,41 @@
 AutoPipe and DynPipe both plan with per-link bandwidth, and on a shared cluster it
 drifts. Measuring the activations and gradients the pipeline sends anyway costs
 nothing extra; the probe is for start-up, before any transfer has happened.
+
+A send is timed from the moment the stage posts it to the moment it completes. The
+stage computes for tens of milliseconds between transport calls, so completion is not
+observed at the next call but by a :class:`LinkWatcher` thread per peer: it blocks in
+``work.wait()`` (gloo; the GIL is released) or polls ``work.is_completed()`` (NCCL, whose
+``wait()`` only orders CUDA streams) and reads the clock when the send is done. Sends to
+one peer complete in order, so a link's busy time is the *union* of its sends'
+``[start, end]`` intervals (:class:`BusyTally`): back-to-back sends are not counted twice.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import queue
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from adaptipe.monitor.schema import LinkSample, MonitorError
 
-__all__ = ["LinkMeter", "ProbeResult", "probe"]
+__all__ = [
+    "BusyTally",
+    "LinkMeter",
+    "LinkTimer",
+    "LinkWatcher",
+    "ProbeResult",
+    "Ready",
+    "SendWork",
+    "probe",
+]
 
 
 class LinkMeter:
@@ -75,6 +97,282 @@ class LinkMeter:
             seconds=seconds,
             bandwidth_Bps=self.bandwidth_Bps,
         )
+
+
+class BusyTally:
+    """Bytes and busy time of one link; busy time is the union of its transfers' intervals.
+
+    Transfers are added in the order they started (sends to one peer are FIFO), so the
+    union needs only the latest end: a transfer adds the part of ``[start, end]`` after
+    it. :meth:`take` resets the totals but not that end, so a transfer overlapping one
+    taken earlier still adds only its new part.
+    """
+
+    __slots__ = ("_end", "_start", "busy_s", "nbytes", "transfers")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.busy_s = 0.0
+        self.transfers = 0
+        self._start = -math.inf
+        self._end = -math.inf
+
+    def add(self, start_s: float, end_s: float, nbytes: int) -> None:
+        """Count one transfer that ran from ``start_s`` to ``end_s`` (one clock)."""
+        if not start_s <= end_s or start_s < self._start or nbytes < 0:
+            raise MonitorError(
+                f"BusyTally.add needs start <= end, starts in order and bytes >= 0 (got "
+                f"start {start_s}, end {end_s}, previous start {self._start}, bytes {nbytes})"
+            )
+        self._start = start_s
+        if end_s > self._end:
+            self.busy_s += end_s - max(start_s, self._end)
+            self._end = end_s
+        self.nbytes += nbytes
+        self.transfers += 1
+
+    def take(self) -> tuple[int, float]:
+        """``(bytes, busy seconds)`` since the last call."""
+        out = (self.nbytes, self.busy_s)
+        self.nbytes, self.busy_s = 0, 0.0
+        return out
+
+
+class SendWork(Protocol):
+    """What ``torch.distributed.isend`` returns, as far as timing it goes."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Ready(Protocol):
+    """A ``torch.cuda.Event``, as far as timing goes."""
+
+    def query(self) -> bool: ...
+
+
+_Item = tuple[SendWork, float, int, object, Ready | None]  # work, start, bytes, keep, ready
+
+
+def _stay_out_of_the_way() -> None:
+    """Let the calling thread run on any core and never preempt on waking (Linux only).
+
+    A watcher wakes for every send. At normal priority on the stage's pinned core, each
+    wake-up preempts the compute thread, which on a loaded machine then waits for a time
+    slice to get its core back: on a shared 2-core machine that put ~15 ms a 100 ms
+    iteration into ``send()``. A SCHED_BATCH thread never preempts on waking; unpinned,
+    it runs at once on a core that is idle, and on a saturated machine by the next
+    scheduler tick, so a completion may then be read a few milliseconds late.
+    """
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the kernel keeps the cpuset's
+
+
+class LinkWatcher:
+    """Times one link's sends, from when they were posted to when they complete.
+
+    A daemon thread takes the sends in the order they were posted and waits for each.
+    With ``poll_s=None`` it blocks in ``work.wait()``: on gloo that releases the GIL and
+    returns at completion, and it must then be the *only* caller of ``wait`` (gloo lets
+    a send be waited for once), so the sender calls :meth:`drain` instead. Otherwise it
+    polls ``work.is_completed()``, sleeping ``poll_s / 8`` doubling up to ``poll_s``
+    between looks (NCCL, whose ``wait()`` only makes a CUDA stream wait).
+
+    Args:
+        src: the sending rank.
+        dst: the receiving rank.
+        poll_s: ``None`` to block in ``wait()``; else the longest sleep between polls.
+        clock: the clock the sender read each send's start from.
+    """
+
+    def __init__(
+        self,
+        src: int,
+        dst: int,
+        *,
+        poll_s: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if poll_s is not None and not 0.0 < poll_s <= 0.1:
+            raise MonitorError(f"LinkWatcher poll_s must be in (0, 0.1] or None (got {poll_s})")
+        self.src, self.dst, self.poll_s = src, dst, poll_s
+        self._clock = clock
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._tally = BusyTally()
+        self._submitted = 0  # written by the sender only
+        self._done = 0  # written by the watcher only, under _cond
+        self._error: BaseException | None = None
+        self._closing = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"adaptipe-link-{src}-{dst}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(
+        self,
+        work: SendWork,
+        start_s: float,
+        nbytes: int,
+        keep: object = None,
+        ready: Ready | None = None,
+    ) -> None:
+        """Time ``work``, posted at ``start_s``; ``keep`` (its tensor) lives until it is done.
+
+        ``ready`` (polling only): a CUDA event recorded when the send was posted. The
+        device may still be computing what was queued before it, so the send starts no
+        earlier than the event completes.
+        """
+        if self._closing.is_set():
+            raise MonitorError(f"LinkWatcher {self.src}->{self.dst} is closed")
+        self._submitted += 1
+        self._queue.put((work, start_s, nbytes, keep, ready))
+
+    def _run(self) -> None:
+        _stay_out_of_the_way()
+        while (item := self._queue.get()) is not None:
+            work, start_s, nbytes, ready = item[0], item[1], item[2], item[4]
+            error: BaseException | None = None
+            try:
+                if not self._closing.is_set():  # after close, pending sends are let go
+                    start_s = self._complete(work, start_s, ready)
+                    end_s = self._clock()
+                    with self._cond:
+                        self._tally.add(start_s, end_s, nbytes)
+            except BaseException as exc:  # the sender re-raises it from drain()
+                error = exc
+            del item, work, ready  # release the tensor before waiting for the next send
+            with self._cond:
+                if error is not None and self._error is None:
+                    self._error = error
+                self._done += 1
+                self._cond.notify_all()
+
+    def _complete(self, work: SendWork, start_s: float, ready: Ready | None) -> float:
+        """Return once ``work`` is done; the send's start, moved to ``ready``'s if later."""
+        if self.poll_s is None:
+            work.wait()
+            return start_s
+        if ready is not None and self._poll(ready.query):
+            start_s = max(start_s, self._clock())
+        self._poll(work.is_completed)
+        return start_s
+
+    def _poll(self, done: Callable[[], bool]) -> bool:
+        """Poll ``done`` until it is true (True) or the watcher closes (False)."""
+        sleep = (self.poll_s or 0.0) / 8
+        while not done():
+            if self._closing.is_set():
+                return False
+            time.sleep(sleep)
+            sleep = min(2 * sleep, self.poll_s or 0.0)
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Sends submitted but not yet timed."""
+        with self._cond:
+            return self._submitted - self._done
+
+    def drain(self) -> None:
+        """Block until every submitted send is timed; raise the first send's error."""
+        with self._cond:
+            while self._done < self._submitted and self._error is None:
+                if not self._thread.is_alive():
+                    raise MonitorError(f"LinkWatcher {self.src}->{self.dst} stopped unexpectedly")
+                self._cond.wait(1.0)
+            if self._error is not None:
+                raise self._error
+
+    def take(self) -> tuple[int, float]:
+        """``(bytes, busy seconds)`` of the sends timed since the last call."""
+        with self._cond:
+            return self._tally.take()
+
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Stop the thread; False if it is still inside a ``wait()`` after ``timeout_s``.
+
+        A thread still waiting is a daemon: it cannot keep the process alive.
+        """
+        self._closing.set()
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
+class LinkTimer:
+    """A sender's links: a :class:`LinkWatcher` and a :class:`LinkMeter` per peer.
+
+    Watchers start on a link's first send. The transport calls :meth:`submit` for each
+    send (and :meth:`drain` before an iteration ends, when the watchers do the waiting);
+    the worker publishes :meth:`samples` once per iteration.
+
+    Args:
+        src: the sending rank.
+        poll_s: see :class:`LinkWatcher`.
+        alpha: the meters' smoothing weight (see :class:`LinkMeter`).
+        clock: the clock sends' start times come from.
+    """
+
+    def __init__(
+        self,
+        src: int,
+        *,
+        poll_s: float | None = None,
+        alpha: float = 0.2,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        LinkMeter(src, src, alpha=alpha)  # check alpha now, not on the first sample
+        self.src, self.poll_s, self.alpha = src, poll_s, alpha
+        self._clock = clock
+        self._watchers: dict[int, LinkWatcher] = {}
+        self._meters: dict[int, LinkMeter] = {}
+
+    def submit(
+        self,
+        dst: int,
+        work: SendWork,
+        start_s: float,
+        nbytes: int,
+        keep: object = None,
+        ready: Ready | None = None,
+    ) -> None:
+        """Time a send to ``dst`` (see :meth:`LinkWatcher.submit`)."""
+        watcher = self._watchers.get(dst)
+        if watcher is None:
+            watcher = LinkWatcher(self.src, dst, poll_s=self.poll_s, clock=self._clock)
+            self._watchers[dst] = watcher
+        watcher.submit(work, start_s, nbytes, keep, ready)
+
+    def drain(self) -> None:
+        """Wait until every send submitted so far is timed (and so complete)."""
+        for watcher in self._watchers.values():
+            watcher.drain()
+
+    def samples(self) -> list[LinkSample]:
+        """One record per link that moved bytes since the last call, by destination.
+
+        Each carries those bytes, the link's busy seconds over them and the smoothed
+        bandwidth after adding them.
+        """
+        out: list[LinkSample] = []
+        for dst in sorted(self._watchers):
+            nbytes, busy_s = self._watchers[dst].take()
+            if nbytes == 0:
+                continue
+            meter = self._meters.get(dst)
+            if meter is None:
+                meter = self._meters[dst] = LinkMeter(self.src, dst, alpha=self.alpha)
+            meter.record(nbytes, busy_s)
+            out.append(meter.sample(nbytes, busy_s))
+        return out
+
+    def close(self, timeout_s: float = 1.0) -> bool:
+        """Stop every watcher; False if one is still inside a ``wait()``."""
+        return all([w.close(timeout_s) for w in self._watchers.values()])
 
 
 @dataclass(frozen=True, slots=True)

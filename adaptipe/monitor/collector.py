@@ -3,7 +3,8 @@
 Every frame is untrusted: it is decoded with :func:`~adaptipe.monitor.schema.decode`
 and a bad one is counted under its reason in ``rejected`` and dropped, so a buggy or
 hostile sender can neither crash the manager nor poison what the controllers read.
-Per stage, the last ``history`` StageStats and DeviceSamples are kept in ring buffers;
+Per stage, the last ``history`` StageStats and DeviceSamples are kept in ring buffers,
+and per link (sender, receiver) the last ``history`` LinkSamples;
 every accepted record can also go to a ``telemetry.jsonl`` file, one JSON line each.
 """
 
@@ -41,10 +42,11 @@ log = logging.getLogger(__name__)
 _BATCH = 10_000  # frames per poll, so a flood cannot starve the caller
 
 
-R = TypeVar("R", StageStats, DeviceSample)
+R = TypeVar("R", StageStats, DeviceSample, LinkSample)
+K = TypeVar("K", int, tuple[int, int])
 
 
-def _ring(rings: dict[int, deque[R]], stage: int, length: int) -> deque[R]:
+def _ring(rings: dict[K, deque[R]], stage: K, length: int) -> deque[R]:
     ring = rings.get(stage)
     if ring is None:
         ring = rings[stage] = deque(maxlen=length)
@@ -72,7 +74,7 @@ class Collector:
         curve: server keys (``CurveKeys.for_server()``); required off loopback.
         max_bytes: frames larger than this are rejected as ``oversized``. Frames over
             16x this (at least 1 MiB) never reach us: libzmq drops that connection.
-        history: StageStats and DeviceSamples kept per stage.
+        history: StageStats and DeviceSamples kept per stage, LinkSamples per link.
         jsonl: append every accepted record to this file as one JSON line.
     """
 
@@ -98,7 +100,7 @@ class Collector:
         self._rejected: Counter[str] = Counter()
         self._stats: dict[int, deque[StageStats]] = {}
         self._devices: dict[int, deque[DeviceSample]] = {}
-        self._links: dict[tuple[int, int], LinkSample] = {}
+        self._links: dict[tuple[int, int], deque[LinkSample]] = {}
         self._events: deque[Event] = deque(maxlen=max(1024, history))
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -168,7 +170,7 @@ class Collector:
                 case DeviceSample():
                     _ring(self._devices, record.stage, self.history_len).append(record)
                 case LinkSample():
-                    self._links[(record.src, record.dst)] = record
+                    _ring(self._links, (record.src, record.dst), self.history_len).append(record)
                 case Event():
                     self._events.append(record)
         if self._jsonl is not None:
@@ -224,7 +226,12 @@ class Collector:
     def links(self) -> dict[tuple[int, int], LinkSample]:
         """The latest LinkSample per (src, dst)."""
         with self._lock:
-            return dict(self._links)
+            return {link: ring[-1] for link, ring in self._links.items() if ring}
+
+    def link_history(self, src: int, dst: int) -> list[LinkSample]:
+        """The link's kept LinkSamples, oldest first."""
+        with self._lock:
+            return list(self._links.get((src, dst), ()))
 
     def events(self) -> list[Event]:
         with self._lock:
@@ -235,7 +242,8 @@ class Collector:
         with self._lock:
             out: list[Record] = [r for ring in self._stats.values() for r in ring]
             out += [r for ring in self._devices.values() for r in ring]
-            return out + list(self._links.values()) + list(self._events)
+            out += [r for ring in self._links.values() for r in ring]
+            return out + list(self._events)
 
     def close(self) -> None:
         """Stop the thread, close the socket (dropping anything queued) and the file."""

@@ -1,4 +1,6 @@
-"""``adaptipe monitor``: a live terminal view of a run's telemetry, one row per stage.
+"""``adaptipe monitor``: a live terminal view of a run's telemetry, one row per stage
+and, below, one row per link the stages sent on (its bandwidth as the transport measured
+it from the activations and gradients it carried).
 
 Two sources:
 
@@ -12,7 +14,8 @@ Two sources:
 
 Every line of the run directory's files is checked with :func:`schema.decode`; bad lines
 are skipped and counted under their reason, and the count is shown. :func:`render` turns
-a :class:`MonitorState` into a table and does no I/O, so it is tested on its own.
+a :class:`MonitorState` into the stage table, :func:`render_links` into the link table,
+and :func:`view` puts them together; none of them does I/O, so they are tested on their own.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -37,6 +40,7 @@ from adaptipe.monitor.schema import (
     MAX_FRAME_BYTES,
     DeviceSample,
     Event,
+    LinkSample,
     Record,
     StageStats,
     TelemetryError,
@@ -52,7 +56,9 @@ __all__ = [
     "add_monitor_parser",
     "load_run",
     "render",
+    "render_links",
     "run_monitor_command",
+    "view",
 ]
 
 TELEMETRY, METRICS, SUMMARY = "telemetry.jsonl", "metrics.jsonl", "summary.json"
@@ -227,6 +233,7 @@ class MonitorState:
     t0: float | None = None
     stats: dict[int, deque[StageStats]] = field(default_factory=dict)
     devices: dict[int, DeviceSample] = field(default_factory=dict)
+    links: dict[tuple[int, int], deque[LinkSample]] = field(default_factory=dict)
     events: deque[Event] = field(default_factory=deque)
     metrics: deque[dict[str, Any]] = field(default_factory=deque)
     skipped: str = ""  # a note on skipped lines or rejected frames
@@ -245,8 +252,9 @@ class MonitorState:
                 self.events.append(record)
                 while len(self.events) > self.max_events:
                     self.events.popleft()
-            case _:  # links are not shown yet
-                pass
+            case LinkSample():
+                ring_l = self.links.setdefault((record.src, record.dst), deque(maxlen=self.window))
+                ring_l.append(record)
 
     def add_metrics(self, rec: dict[str, Any]) -> None:
         self.metrics.append(rec)
@@ -355,6 +363,47 @@ def render(state: MonitorState) -> Table:
     return table
 
 
+def render_links(state: MonitorState) -> Table | None:
+    """One row per link (sender -> receiver), or None before any link was measured.
+
+    ``smoothed`` is the sender's bandwidth estimate; ``window mean`` is all bytes over all
+    busy seconds of the last ``window`` iterations; ``busy`` is the time per iteration
+    the link had a send in flight (the union, not the sum, of its sends' times), and
+    ``busy %`` that as a share of the sending stage's iteration.
+    """
+    if not state.links:
+        return None
+    table = Table(title="links: bandwidth of the pipeline's own sends", header_style="bold")
+    table.add_column("link", justify="right")
+    for name in ("smoothed", "window mean", "bytes/iter", "busy ms", "busy %"):
+        table.add_column(name, justify="right")
+    for (src, dst), ring in sorted(state.links.items()):
+        nbytes = sum(s.nbytes for s in ring)
+        busy = sum(s.seconds for s in ring)
+        its = [s.iteration_s for s in state.stats.get(src, ()) if s.iteration_s > 0]
+        share = busy / len(ring) / statistics.fmean(its) if its else None
+        table.add_row(
+            f"{src} → {dst}",
+            format_bytes(ring[-1].bandwidth_Bps) + "/s",
+            format_bytes(nbytes / busy) + "/s" if busy > 0 else "-",
+            format_bytes(nbytes / len(ring)),
+            f"{busy / len(ring) * 1e3:.2f}",
+            f"{100 * share:.0f}%" if share is not None else "-",
+        )
+    return table
+
+
+def view(state: MonitorState) -> RenderableType:
+    """The whole frame: the stage table, the link table under it, then the notes."""
+    stages = render(state)
+    links = render_links(state)
+    if links is None:
+        return stages
+    links.caption, stages.caption = stages.caption, None
+    links.caption_justify = "left"
+    return Group(stages, links)
+
+
 # --------------------------------------------------------------------------- the command
 def add_monitor_parser(
     subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -414,7 +463,7 @@ def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Na
             state.add_metrics(rec)
         state.skipped = skipped_note(log.skipped)
         state.status = "finished" if finished else ""
-        console.print(render(state))
+        console.print(view(state))
         return 0
     if not (root / TELEMETRY).exists():
         load_run(root)  # raises the error that names the missing file
@@ -431,13 +480,13 @@ def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Na
     from rich.live import Live
 
     step(final=False)
-    with Live(render(state), console=console, auto_refresh=False) as live:
+    with Live(view(state), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(args.refresh_s)
             done = _mtime(root / SUMMARY) != summary_mtime
             step(final=done)
             state.status = "finished" if done else ""
-            live.update(render(state), refresh=True)
+            live.update(view(state), refresh=True)
             if done:
                 return 0
 
@@ -480,18 +529,18 @@ def _replay(console: Console, state: MonitorState, root: Path, args: argparse.Na
 
     if args.once:
         feed(float("inf"))
-        console.print(render(state))
+        console.print(view(state))
         return 0
     from rich.live import Live
 
     clock = timeline[0][0]
-    with Live(render(state), console=console, auto_refresh=False) as live:
+    with Live(view(state), console=console, auto_refresh=False) as live:
         while fed < len(timeline):
             clock += args.refresh_s * args.speed
             feed(clock)
             left = fed < len(timeline)
             state.status = f"replay at {args.speed:g}x" if left else "replay finished"
-            live.update(render(state), refresh=True)
+            live.update(view(state), refresh=True)
             if left:
                 time.sleep(args.refresh_s)
     return 0
@@ -500,7 +549,7 @@ def _replay(console: Console, state: MonitorState, root: Path, args: argparse.Na
 def _watch_address(console: Console, state: MonitorState, args: argparse.Namespace) -> int:
     from adaptipe.monitor.collector import Collector
 
-    def frame(collector: Collector) -> Table:
+    def frame(collector: Collector) -> RenderableType:
         fresh = MonitorState(window=state.window, source=state.source)
         for record in sorted(collector.records(), key=lambda r: r.time_s):
             fresh.add(record)
@@ -508,7 +557,7 @@ def _watch_address(console: Console, state: MonitorState, args: argparse.Namespa
         if rejected:
             fresh.skipped = "rejected frames: " + ", ".join(f"{v} {k}" for k, v in rejected.items())
         fresh.status = "" if collector.accepted else "waiting for workers"
-        return render(fresh)
+        return view(fresh)
 
     with Collector(bind=args.source, history=max(args.window, 256)) as collector:
         collector.start()

@@ -1,9 +1,9 @@
 """``adaptipe report``: charts and one self-contained HTML page from a run directory.
 
-:func:`make_report` draws four PNGs (matplotlib's Agg canvas, no pyplot and no display)
-into ``RUN_DIR/report/``: throughput and loss, per-stage compute / waiting /
-communication time, device readings over time, and per-layer forward and backward time
-as heatmaps. Injections are shaded from their start to their end and other events
+:func:`make_report` draws up to five PNGs (matplotlib's Agg canvas, no pyplot and no
+display) into ``RUN_DIR/report/``: throughput and loss, per-stage compute / waiting /
+communication time, device readings over time, per-layer forward and backward time as
+heatmaps, and per-link bandwidth over time (measured from the pipeline's own sends). Injections are shaded from their start to their end and other events
 (checkpoints, migrations) drawn as vertical lines on every chart. ``report.html``
 embeds the PNGs by relative path next to the run's summary; it loads nothing else.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.live import METRICS, TELEMETRY, RunLog, load_run, skipped_note
-from adaptipe.monitor.schema import DeviceSample, Event, StageStats
+from adaptipe.monitor.schema import DeviceSample, Event, LinkSample, StageStats
 
 if TYPE_CHECKING:  # matplotlib is imported when drawing, so `adaptipe --help` stays fast
     from matplotlib.axes import Axes
@@ -48,6 +48,7 @@ _DEVICE_FIELDS = (
     ("temperature_c", "Temperature", "°C", 1.0),
     ("power_w", "Power", "W", 1.0),
 )
+_LINK_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 _INJECTION_COLOURS = ("#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22")
 _POINT_COLOURS = {"checkpoint": "#555555", "migration": "#1f77b4", "injection-failed": "#000000"}
 _DPI = 110
@@ -363,6 +364,52 @@ def _plot_layers(stats: list[StageStats], marks: list[Mark], path: Path) -> bool
     return True
 
 
+def _by_link(samples: list[LinkSample]) -> dict[tuple[int, int], list[LinkSample]]:
+    out: dict[tuple[int, int], list[LinkSample]] = {}
+    for s in sorted(samples, key=lambda s: s.time_s):
+        out.setdefault((s.src, s.dst), []).append(s)
+    return dict(sorted(out.items()))
+
+
+def _plot_links(samples: list[LinkSample], t0: float, marks: list[Mark], path: Path) -> bool:
+    """Per link: bandwidth per iteration (thin) and smoothed (thick), and busy time."""
+    links = _by_link(samples)
+    if not links:
+        return False
+    fig = _new_figure(10, 6.5)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    rates: list[float] = []
+    for k, ((src, dst), ss) in enumerate(links.items()):
+        colour = _LINK_COLOURS[k % len(_LINK_COLOURS)]
+        xs = [s.time_s - t0 for s in ss]
+        per_it = [s.nbytes / s.seconds / 1e6 if s.seconds > 0 else math.nan for s in ss]
+        smooth = [s.bandwidth_Bps / 1e6 for s in ss]
+        rates += [r for r in per_it + smooth if math.isfinite(r) and r > 0]
+        marker = "." if len(xs) < 40 else ""
+        top.plot(xs, per_it, color=colour, lw=0.8, alpha=0.45, marker=marker)
+        top.plot(xs, smooth, color=colour, lw=2.0, label=f"link {src} → {dst}")
+        bottom.plot(xs, [s.seconds * 1e3 for s in ss], color=colour, lw=1.2, marker=marker)
+    if rates and max(rates) / min(rates) > 20:
+        top.set_yscale("log")
+    else:
+        top.set_ylim(bottom=0)
+    top.set(
+        title="Link bandwidth: per iteration (thin) and smoothed (thick)", ylabel="MB/s (1e6 B/s)"
+    )
+    bottom.set(
+        title="Link busy time per iteration (sends in flight, overlaps counted once)",
+        xlabel="seconds since the run's first record",
+        ylabel="ms",
+    )
+    bottom.set_ylim(bottom=0)
+    labelled: set[str] = set()
+    for ax in (top, bottom):
+        _draw_marks(ax, marks, axis="time", labelled=labelled)
+        ax.grid(alpha=0.3)
+    _save(fig, path)
+    return True
+
+
 # --------------------------------------------------------------------------- the page
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
@@ -378,6 +425,10 @@ _CHARTS = {
     "stage_times": "Per stage: compute, waiting and communication time per iteration, stacked.",
     "device": "Device readings per stage over time.",
     "layers": "Per-layer forward and backward time per iteration (log colour scale).",
+    "links": (
+        "Per link (sender → receiver): bandwidth of the pipeline's own sends, timed from "
+        "post to completion, and the time per iteration the link had a send in flight."
+    ),
 }
 
 
@@ -453,6 +504,27 @@ def _summary_html(log: RunLog) -> str:
     return "\n".join(out)
 
 
+def _links_html(samples: list[LinkSample]) -> str:
+    rows = []
+    for (src, dst), ss in _by_link(samples).items():
+        nbytes = sum(s.nbytes for s in ss)
+        busy = sum(s.seconds for s in ss)
+        per_it = [s.nbytes / s.seconds / 1e6 for s in ss if s.seconds > 0]
+        rows.append(
+            (
+                f"{src} → {dst}",
+                len(ss),
+                nbytes / 1e6,
+                nbytes / busy / 1e6 if busy > 0 else math.nan,
+                min(per_it, default=math.nan),
+                max(per_it, default=math.nan),
+                ss[-1].bandwidth_Bps / 1e6,
+            )
+        )
+    header = ("link", "samples", "MB sent", "mean MB/s", "slowest", "fastest", "last smoothed")
+    return _table(header, rows)
+
+
 def _events_html(marks: Sequence[Mark]) -> str:
     if not marks:
         return "<p>No events were recorded.</p>"
@@ -481,7 +553,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     Raises:
         PlanError: the run directory or its metrics.jsonl is missing, or metrics.jsonl
             is empty or has no valid line. A missing telemetry.jsonl only leaves out the
-            device and per-layer charts.
+            device, per-layer and link charts.
     """
     log = load_run(run_dir, need=(METRICS,))
     out_dir = Path(out) if out is not None else log.root / "report"
@@ -494,6 +566,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     )
     stats = [r for r in log.records if isinstance(r, StageStats)]
     samples = [r for r in log.records if isinstance(r, DeviceSample)]
+    links = [r for r in log.records if isinstance(r, LinkSample)]
     t0 = min((r.time_s for r in log.records), default=0.0)
     t_end = max((r.time_s for r in log.records), default=t0) - t0
     marks = _marks(log, _Clock(stats, t0), t0, t_end)
@@ -504,12 +577,14 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         drawn.append("device")
     if _plot_layers(stats, marks, out_dir / "layers.png"):
         drawn.append("layers")
+    if _plot_links(links, t0, marks, out_dir / "links.png"):
+        drawn.append("links")
     for chart in set(_CHARTS) - set(drawn):  # a previous report's chart would mislead
         (out_dir / f"{chart}.png").unlink(missing_ok=True)
     name = html.escape(log.root.resolve().name)
     notes = []
     if not (log.root / TELEMETRY).exists():
-        notes.append(f"No {TELEMETRY}: device and per-layer charts and events are left out.")
+        notes.append(f"No {TELEMETRY}: device, per-layer and link charts and events are left out.")
     elif not stats and not samples:
         notes.append(f"{TELEMETRY} has no stage statistics or device samples.")
     if skipped := skipped_note(log.skipped):
@@ -527,6 +602,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 {"".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
 <h2>Summary</h2>
 {_summary_html(log)}
+{"<h2>Links (bandwidth per iteration)</h2>" + _links_html(links) if links else ""}
 <h2>Events</h2>
 <p>Injections are shaded from start to end on the charts; other events are dashed lines.</p>
 {_events_html(marks)}

@@ -40,6 +40,7 @@ __all__ = [
     "latest",
     "layer_state",
     "load",
+    "load_compatible",
     "load_layer_state",
     "prune",
     "save_stage",
@@ -394,3 +395,14 @@ def prune(ckpt_root: Path, keep: int) -> list[Path]:
     if removed:
         _fsync_dir(ckpt_root)
     return removed
+
+
+def load_compatible(
+    ckpt_dir: Path, *, model: str, model_config: Mapping[str, Any], num_layers: int
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """`load` a checkpoint and refuse it (`check_compatible`) if made for another model."""
+    tensors, record = load(ckpt_dir)
+    check_compatible(
+        record, model=model, model_config=model_config, num_layers=num_layers, source=str(ckpt_dir)
+    )
+    return tensors, record

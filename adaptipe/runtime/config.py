@@ -40,7 +40,7 @@ file, the section and field, the value and what is allowed. A complete example::
     backend = "auto"            # auto | gloo | nccl
     timeout_s = 60.0            # collective and p2p timeout
     telemetry = true            # stream stage stats and device samples to the manager
-    telemetry_interval_s = 0.2  # device-status sample period (0.1-0.5 s typical)
+    telemetry_interval_s = 0.2  # device-status sample period, 0.1-0.5 s
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>
 """
@@ -132,6 +132,13 @@ class OptimizerSection:
             return torch.optim.SGD(params, foreach=False, **common, **extra)
         kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
         return kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
+
+    @property
+    def profile_kind(self) -> str:
+        """The optimizer the profiler times the step of (`profile_model(optimizer=...)`)."""
+        if self.name == "sgd":
+            return "momentum" if self.momentum > 0 else "sgd"
+        return self.name
 
     def state_bytes_factor(self) -> int:
         """Optimizer state per parameter byte: memory planning needs it before building."""
@@ -420,6 +427,12 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
         TrainSection, raw, source, "train", **{k: v for k, v in given.items() if raw.get(k) is None}
     )
     device, backend = train.device, train.backend
+    if not 0.1 <= train.telemetry_interval_s <= 0.5:
+        raise _fail(
+            source,
+            "[train].telemetry_interval_s",
+            f"must be between 0.1 and 0.5 seconds (got {train.telemetry_interval_s})",
+        )
     if not _DEVICE.match(device):
         raise _fail(source, "[train].device", f"must be cpu, cuda or cuda:N (got {device!r})")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

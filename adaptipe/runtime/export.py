@@ -43,14 +43,9 @@ def _checkpoint_tensors(
     found = Path(checkpoint) if checkpoint is not None else ckpt.latest(run.checkpoints)
     if found is None:
         raise PlanError(f"{run.root}: no committed checkpoint yet")
-    tensors, meta = ckpt.load(found)
     spec = get_model(config.model.name, **config.model.config)
-    ckpt.check_compatible(
-        meta,
-        model=spec.name,
-        model_config=dict(spec.config),
-        num_layers=spec.num_layers,
-        source=str(found),
+    tensors, _ = ckpt.load_compatible(
+        found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
     )
     return spec, tensors
 

@@ -30,12 +30,6 @@ class JobArrayPlan:
     profiles: dict[int, Profile]
 
 
-def _optimizer_kind(job_optimizer: Any) -> str:
-    if job_optimizer.name == "sgd":
-        return "momentum" if job_optimizer.momentum > 0 else "sgd"
-    return str(job_optimizer.name)
-
-
 def plan_job_array(
     config: RunConfig, spec: ModelSpec, partition: Partition, *, active: list[int] | None = None
 ) -> JobArrayPlan:
@@ -56,7 +50,7 @@ def plan_job_array(
                 warmup=1,
                 threads=1,
                 device=config.train.device,
-                optimizer=_optimizer_kind(job.optimizer),
+                optimizer=job.optimizer.profile_kind,
             )
     forward: list[list[float]] = []
     backward: list[list[float]] = []

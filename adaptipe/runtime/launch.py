@@ -100,8 +100,6 @@ def resolve_plans(config: RunConfig) -> Plans:
         from adaptipe.profile.profiler import profile_model
 
         job = config.jobs[0]
-        opt = job.optimizer
-        kind = "momentum" if opt.name == "sgd" and opt.momentum > 0 else opt.name
         profile = profile_model(
             spec,
             microbatch=job.batch_size // config.data.microbatches,
@@ -109,7 +107,7 @@ def resolve_plans(config: RunConfig) -> Plans:
             warmup=1,
             threads=1,
             device=config.train.device,
-            optimizer=kind,
+            optimizer=job.optimizer.profile_kind,
         )
         partition = plan(
             profile, planner=p.partition, num_stages=num, bandwidth_Bps=parse_bandwidth(p.bandwidth)
@@ -349,14 +347,9 @@ def train(
         found = ckpt.latest(run.checkpoints)
         if found is None:
             raise PlanError(f"{run.root}: no committed checkpoint to resume from")
-        _, meta = ckpt.load(found)
         spec = get_model(cfg.model.name, **cfg.model.config)
-        ckpt.check_compatible(
-            meta,
-            model=spec.name,
-            model_config=dict(spec.config),
-            num_layers=spec.num_layers,
-            source=str(found),
+        _, meta = ckpt.load_compatible(
+            found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
         )
         start = int(meta["iteration"])
         schedule = run.read_schedule()

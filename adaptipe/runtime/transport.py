@@ -12,6 +12,11 @@ Shapes are negotiated once, at start-up, along the pipeline: the worker holding 
 stage ``g`` receives the input shape of ``g`` from its predecessor, infers its output
 shape with a forward pass on the ``meta`` device, and sends that on. Nothing about
 shapes is hard-coded, and no per-message header costs a round trip.
+
+With ``measure_links`` (telemetry on), every send is also timed per peer link, from the
+moment :meth:`P2PTransport.send` is called (so an injected throttle's delay counts) to
+its completion, by a :class:`~adaptipe.monitor.bandwidth.LinkTimer`; see
+:meth:`P2PTransport.link_samples`. Without it nothing extra runs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from adaptipe.monitor.bandwidth import LinkTimer
+from adaptipe.monitor.schema import LinkSample
 
 __all__ = [
     "ACTIVATION",
@@ -39,6 +47,7 @@ GRADIENT = 1
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _HEADER = 10  # ndim, dtype code, up to 8 dimensions
+_POLL_S = 0.0005  # longest sleep between completion polls of a timed NCCL send
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,12 @@ class P2PTransport:
         num_microbatches: micro-batches per job per iteration.
         num_jobs: jobs in the array.
         lookahead: receives kept posted ahead of the instruction being executed.
+        measure_links: time every send per peer link (see :meth:`link_samples`).
+            On gloo a watcher thread per peer waits for the sends and :meth:`flush`
+            waits for the watchers. On CUDA/NCCL the watchers poll, a send starts no
+            earlier than the device reaches it (a CUDA event recorded at ``send()``),
+            and one still in flight when an iteration's samples are taken counts in
+            the next ones.
     """
 
     def __init__(
@@ -107,6 +122,7 @@ class P2PTransport:
         num_microbatches: int,
         num_jobs: int = 1,
         lookahead: int = 4,
+        measure_links: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -125,6 +141,11 @@ class P2PTransport:
         # Injected link throttle: (extra latency s, bandwidth B/s) applied to each send.
         self.throttle: tuple[float, float] | None = None
         self.bytes_received = 0
+        self._links: LinkTimer | None = None
+        # gloo's wait() blocks until the send is done; NCCL's only orders CUDA streams.
+        self._watch_waits = device.type != "cuda"
+        if measure_links:
+            self._links = LinkTimer(rank, poll_s=None if self._watch_waits else _POLL_S)
         if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= 2**31:
             raise ValueError("too many transfers per iteration to tag uniquely")
 
@@ -171,21 +192,31 @@ class P2PTransport:
     def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None:
         """Post a non-blocking send; the tensor is kept alive until it completes."""
         t0 = time.perf_counter()
+        ready = None  # on CUDA: when the device has computed what was queued before
+        if self._links is not None and not self._watch_waits:
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record()
         if self.throttle is not None:
             latency, bandwidth = self.throttle
             time.sleep(latency + tensor.numel() * tensor.element_size() / bandwidth)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))
-        self._sends.append((work, tensor))
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.popleft()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.bytes_sent += nbytes
+        if self._links is not None and work is not None:  # None only off the group
+            self._links.submit(dst, work, t0, nbytes, tensor, ready)  # keeps the tensor alive
+        if self._links is None or not self._watch_waits:  # on gloo the watcher alone waits
+            self._sends.append((work, tensor))
+            while self._sends and self._sends[0][0].is_completed():
+                self._sends.popleft()
         self.comm_s += time.perf_counter() - t0
 
     def flush(self) -> None:
-        """Wait for every outstanding send (end of an iteration)."""
+        """Wait for every outstanding send (end of an iteration); raise a failed one's error."""
         t0 = time.perf_counter()
+        if self._links is not None and self._watch_waits:
+            self._links.drain()
         while self._sends:
             work, _ = self._sends.popleft()
             work.wait()
@@ -196,3 +227,16 @@ class P2PTransport:
         out = (self.wait_s, self.comm_s)
         self.wait_s = self.comm_s = 0.0
         return out
+
+    def link_samples(self) -> list[LinkSample]:
+        """One record per peer sent to since the last call (none without ``measure_links``).
+
+        Each holds the bytes sent, the link's busy seconds (the union of the sends'
+        post-to-completion intervals) and the smoothed bandwidth.
+        """
+        return self._links.samples() if self._links is not None else []
+
+    def close(self) -> None:
+        """Stop the link watchers (a watcher stuck in a dead peer's wait is a daemon)."""
+        if self._links is not None:
+            self._links.close(timeout_s=0.5)

@@ -221,13 +221,8 @@ def _train(
     if resume:
         found = ckpt.latest(run.checkpoints)
         if found is not None:
-            tensors, meta = ckpt.load(found)
-            ckpt.check_compatible(
-                meta,
-                model=spec.name,
-                model_config=dict(spec.config),
-                num_layers=spec.num_layers,
-                source=str(found),
+            tensors, meta = ckpt.load_compatible(
+                found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
             )
             state.load(tensors)
             start = int(meta["iteration"])
@@ -257,12 +252,14 @@ def _train(
             sample = dataset.sample_input(job.batch_size // m)
             first_inputs[job.index] = TensorSpec(tuple(sample.shape), sample.dtype)
     state.memory = _memory_manager(config, state, schedule, rank, device)
+    telemetry = _telemetry_address(config)
     transport = P2PTransport(
         rank=rank,
         device=device,
         num_boundaries=schedule.num_virtual_stages,
         num_microbatches=m,
         num_jobs=schedule.num_jobs,
+        measure_links=telemetry is not None,
     )
     executor = StageExecutor(
         schedule=schedule,
@@ -294,10 +291,11 @@ def _train(
         else None
     )
     active = set(range(len(jobs)))
-    publisher = _telemetry(rank)
+    publisher = _telemetry(telemetry, rank, config.train.telemetry_interval_s)
     with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
         if publisher is not None:
             cleanup.callback(publisher.close, linger_s=0.5)
+        cleanup.callback(transport.close)  # first: a stuck link watcher must not hold us
         _log(
             log,
             {
@@ -361,6 +359,8 @@ def _train(
             _log(log, record)
             if publisher is not None:
                 publisher.publish(_stage_stats(run, rank, it, stats, state.chunks, device))
+                for link in transport.link_samples():
+                    publisher.publish(link)
             done = it + 1
             if (every > 0 and done % every == 0) or done == total or is_rung(config, done, total):
                 _save_checkpoint(
@@ -428,13 +428,22 @@ def _apply_interference(
     )
 
 
-def _telemetry(rank: int) -> Publisher | None:
-    """Publish to the manager's collector when it gave an address (non-blocking sends)."""
+def _telemetry_address(config: RunConfig) -> str | None:
+    """The collector's address when this worker should publish telemetry, else None.
+
+    A scenario keeps the manager's collector on for its events even with
+    ``[train] telemetry = false``; the stages then still publish nothing.
+    """
     address = os.environ.get(TELEMETRY_ENV)
-    if not address:
+    return address if address and config.train.telemetry else None
+
+
+def _telemetry(address: str | None, rank: int, interval_s: float) -> Publisher | None:
+    """Publish to the manager's collector when there is one (non-blocking sends)."""
+    if address is None:
         return None
     publisher = Publisher(address, stage=rank)
-    interval = float(os.environ.get(TELEMETRY_INTERVAL_ENV, "0.2"))
+    interval = float(os.environ.get(TELEMETRY_INTERVAL_ENV, interval_s))
     publisher.start_sampler(
         interval_s=interval,
         device_index=torch.cuda.current_device() if torch.cuda.is_available() else None,
