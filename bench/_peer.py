@@ -123,6 +123,45 @@ def run_single(
     return out
 
 
+def run_concurrent_singles(
+    processes: int,
+    *,
+    hidden: int = 1024,
+    blocks: int = 16,
+    batch: int = 256,
+    iterations: int = 20,
+    warmup: int = 3,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """``processes`` independent single-thread trainings at once, one per core.
+
+    What the machine itself allows ``processes`` busy processes (shared memory bandwidth
+    and caches, turbo): the ceiling a pipeline of that many stage processes can reach,
+    as opposed to the nominal limit of one process's throughput times ``processes``.
+    Returns the summed samples_per_s (each child's own median rate) and each child's.
+    """
+    _check_common(hidden, blocks, batch, iterations, warmup, 1)
+    cores = sorted(os.sched_getaffinity(0))
+    jobs = []
+    for i in range(processes):
+        cfg: dict[str, Any] = {
+            "hidden": hidden,
+            "blocks": blocks,
+            "batch": batch,
+            "iterations": iterations,
+            "warmup": warmup,
+            "threads": 1,
+            "seed": seed + i,
+            "microbatches": 1,
+            "cores": [cores[i % len(cores)]],
+        }
+        jobs.append(("single", cfg, _child_env(1)))
+    results, pids = _launch(jobs, timeout_s)
+    each = [float(r["samples_per_s_median"]) for r in results]
+    return {"samples_per_s": sum(each), "each": each, "pids": pids}
+
+
 def run_peer(
     *,
     schedule: Schedule,

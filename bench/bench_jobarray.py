@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _peer import run_peer, run_single
+from _peer import run_concurrent_singles, run_peer, run_single
 
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -113,9 +113,20 @@ def main() -> None:
     array_rows = []
     for jobs in (int(v) for v in args.jobs.split(",")):
         single = run_single(threads=1, **common)["samples_per_s"]
+        ceiling = run_concurrent_singles(2, **common)["samples_per_s"]
         got = run_array(jobs=jobs, solver=args.solver, **common)
         array_rows.append(
-            {"jobs": jobs, **got, "single": single, "x_single": got["samples_per_s"] / single}
+            {
+                "jobs": jobs,
+                **got,
+                "single": single,
+                "x_single": got["samples_per_s"] / single,
+                # Two independent single-thread trainings at once: what 2 busy processes
+                # get from this machine (memory bandwidth, caches), next to the nominal
+                # limit of 2x one process alone.
+                "two_concurrent_x_single": ceiling / single,
+                "x_ceiling": got["samples_per_s"] / ceiling,
+            }
         )
         print(json.dumps(array_rows[-1]), file=sys.stderr)
     print(

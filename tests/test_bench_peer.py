@@ -75,3 +75,11 @@ def test_peer_timeout_kills_children() -> None:
     assert "timed out" in str(info.value)
     assert len(info.value.pids) == 2
     _assert_all_dead(info.value.pids)
+
+
+def test_concurrent_singles_run_one_pinned_process_per_core() -> None:
+    out = _peer.run_concurrent_singles(2, **TINY)
+    assert len(out["each"]) == 2 and all(r > 0 and math.isfinite(r) for r in out["each"])
+    assert out["samples_per_s"] == pytest.approx(sum(out["each"]))
+    assert len(out["pids"]) == 2
+    _assert_all_dead(out["pids"])
