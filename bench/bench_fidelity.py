@@ -4,8 +4,14 @@ For each schedule: profile the model at the micro-batch size (one thread), simul
 schedule with that profile and the partition the run uses, then train the same config
 for real over stage processes and compare the median iteration time after warm-up.
 Prints one JSON object; the target is |error| <= 15% for 2-stage GPipe and 1F1B.
+``--batch-wgrad`` trains with batched weight gradients and simulates them (the profile
+then also times the input-gradient-only backward and the batched weight gradients).
+On a shared machine one measurement can be off by tens of percent either way:
+``--rounds N`` repeats profile, simulation and run N times per schedule and reports the
+median error (each round's is under ``errors``).
 
     python bench/bench_fidelity.py [--model gpt|mlp] [--iterations 30] [--schedules gpipe,1f1b]
+        [--batch-wgrad] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -44,13 +50,24 @@ def measure(
     microbatches: int,
     iterations: int,
     warmup: int,
+    batch_wgrad: bool = False,
 ) -> dict[str, Any]:
     spec = get_model(model["name"], **model["config"])
     micro = batch // microbatches
-    profile = profile_model(spec, microbatch=micro, threads=1, repeats=7, warmup=2)
+    profile = profile_model(
+        spec,
+        microbatch=micro,
+        threads=1,
+        repeats=7,
+        warmup=2,
+        wgrad_microbatches=microbatches if batch_wgrad else 0,
+    )
     partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=stages)
     sched = build_schedule(schedule, stages=stages, microbatches=microbatches)
-    predicted = simulate(sched, CostModel.from_profile(profile, partition), record=False)
+    costs = CostModel.from_profile(
+        profile, partition, batch_weight_grads=batch_wgrad, microbatches=microbatches
+    )
+    predicted = simulate(sched, costs, record=False)
     with tempfile.TemporaryDirectory(prefix="adaptipe-fidelity-") as tmp:
         config = RunConfig.from_dict(
             {
@@ -61,6 +78,7 @@ def measure(
                     "stages": stages,
                     "schedule": schedule,
                     "partition": list(partition.bounds),
+                    "batch_weight_grads": batch_wgrad,
                 },
                 "train": {
                     "iterations": warmup + iterations,
@@ -88,6 +106,13 @@ def measure(
     }
 
 
+def _median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median error, and every round's error."""
+    errors = [r["error"] for r in rounds]
+    ranked = sorted(rounds, key=lambda r: r["error"])
+    return {**ranked[(len(ranked) - 1) // 2], "errors": errors}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -99,26 +124,39 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--batch-wgrad",
+        action="store_true",
+        help="train and simulate with batched weight gradients",
+    )
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     started = time.time()
-    rows = [
-        measure(
-            model=MODELS[args.model],
-            schedule=s,
-            stages=args.stages,
-            batch=args.batch,
-            microbatches=args.microbatches,
-            iterations=args.iterations,
-            warmup=args.warmup,
-        )
-        for s in args.schedules.split(",")
-    ]
+    schedules = args.schedules.split(",")
+    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in schedules}
+    for _ in range(args.rounds):
+        for s in schedules:
+            rounds[s].append(
+                measure(
+                    model=MODELS[args.model],
+                    schedule=s,
+                    stages=args.stages,
+                    batch=args.batch,
+                    microbatches=args.microbatches,
+                    iterations=args.iterations,
+                    warmup=args.warmup,
+                    batch_wgrad=args.batch_wgrad,
+                )
+            )
+    rows = [_median_row(rounds[s]) for s in schedules]
     print(
         json.dumps(
             {
                 "bench": "fidelity",
                 "model": args.model,
                 "batch": args.batch,
+                "batch_weight_grads": args.batch_wgrad,
+                "rounds": args.rounds,
                 "rows": rows,
                 "max_abs_error": max(abs(r["error"]) for r in rows),
                 "within_15_percent": all(abs(r["error"]) <= 0.15 for r in rows),

@@ -2,11 +2,17 @@
 
 Model: ``blocks`` x Linear(hidden)+ReLU (adaptipe's ``mlp`` with in = hidden = out),
 MSE loss, SGD; batch 256 in 8 micro-batches; 2 stage processes with one thread each.
-Each pipelined run (peer or adaptipe) is paired with a single-process single-thread run
-just before it, because this machine's speed drifts by tens of percent between passes;
-ratios are taken within a pair. Prints one JSON object.
+adaptipe runs twice: with batched weight gradients (``[pipeline].batch_weight_grads``,
+reported as ``adaptipe``) and with per-micro-batch ones (``adaptipe-per-mb-wgrad``);
+``--no-batch-wgrad`` or ``--batch-wgrad-only`` keeps one of them. Each pipelined run
+(peer or adaptipe) is paired with a single-process single-thread run just before it,
+because this machine's speed drifts by tens of percent between passes; ratios are
+taken within a pair. Prints one JSON object: per schedule, throughput as a multiple of
+single-process (``x_single``), of the peer (``over_peer``) and of the limit, stages x
+single (``x_limit``).
 
     python bench/bench_pipeline.py [--pairs 2] [--iterations 20] [--schedules gpipe,1f1b]
+        [--no-batch-wgrad | --batch-wgrad-only]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def run_adaptipe(
     microbatches: int,
     iterations: int,
     warmup: int,
+    batch_wgrad: bool = True,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="adaptipe-bench-") as tmp:
         config = RunConfig.from_dict(
@@ -55,7 +62,11 @@ def run_adaptipe(
                 },
                 "data": {"batch_size": batch, "microbatches": microbatches},
                 "optimizer": {"name": "sgd", "lr": 1e-3},
-                "pipeline": {"stages": stages, "schedule": schedule},
+                "pipeline": {
+                    "stages": stages,
+                    "schedule": schedule,
+                    "batch_weight_grads": batch_wgrad,
+                },
                 "train": {
                     "iterations": warmup + iterations,
                     "threads_per_stage": 1,
@@ -88,7 +99,23 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--schedules", default="gpipe,1f1b")
+    wgrad = parser.add_mutually_exclusive_group()
+    wgrad.add_argument(
+        "--no-batch-wgrad",
+        action="store_true",
+        help="adaptipe computes weight gradients per micro-batch",
+    )
+    wgrad.add_argument(
+        "--batch-wgrad-only",
+        action="store_true",
+        help="run adaptipe only with batched weight gradients",
+    )
     args = parser.parse_args()
+    mine: dict[str, bool] = {}  # name in the report -> batch_weight_grads
+    if not args.no_batch_wgrad:
+        mine["adaptipe"] = True
+    if not args.batch_wgrad_only:
+        mine["adaptipe-per-mb-wgrad"] = False
     common = dict(
         hidden=args.hidden,
         blocks=args.blocks,
@@ -100,7 +127,7 @@ def main() -> None:
     started = time.time()
     for schedule in args.schedules.split(","):
         for pair in range(args.pairs):
-            for who in ("peer", "adaptipe"):
+            for who in ("peer", *mine):
                 single = run_single(threads=1, **common)["samples_per_s"]
                 if who == "peer":
                     got = run_peer(
@@ -114,6 +141,7 @@ def main() -> None:
                         schedule=schedule,
                         stages=args.stages,
                         microbatches=args.microbatches,
+                        batch_wgrad=mine[who],
                         **common,
                     )["samples_per_s"]
                 rows.append(
@@ -130,14 +158,19 @@ def main() -> None:
                 print(json.dumps(rows[-1]), file=sys.stderr)
     summary: dict[str, Any] = {}
     for schedule in args.schedules.split(","):
-        mine = [r["x_single"] for r in rows if r["schedule"] == schedule and r["who"] == "adaptipe"]
-        peer = [r["x_single"] for r in rows if r["schedule"] == schedule and r["who"] == "peer"]
-        summary[schedule] = {
-            "adaptipe_x_single": statistics.median(mine),
-            "peer_x_single": statistics.median(peer),
-            "adaptipe_over_peer": statistics.median(mine) / statistics.median(peer),
-            "adaptipe_x_limit": statistics.median(mine) / args.stages,
-        }
+
+        def x_single(who: str, schedule: str = schedule) -> float:
+            return statistics.median(
+                r["x_single"] for r in rows if r["schedule"] == schedule and r["who"] == who
+            )
+
+        peer = x_single("peer")
+        entry: dict[str, Any] = {"peer_x_single": peer, "peer_x_limit": peer / args.stages}
+        for who in mine:
+            entry[f"{who}_x_single"] = x_single(who)
+            entry[f"{who}_over_peer"] = x_single(who) / peer
+            entry[f"{who}_x_limit"] = x_single(who) / args.stages
+        summary[schedule] = entry
     print(
         json.dumps(
             {
@@ -147,6 +180,7 @@ def main() -> None:
                 "microbatches": args.microbatches,
                 "stages": args.stages,
                 "threads_per_process": 1,
+                "adaptipe_batch_weight_grads": mine,
                 "summary": summary,
                 "runs": rows,
                 "seconds": time.time() - started,

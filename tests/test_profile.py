@@ -92,3 +92,23 @@ def test_optimizer_step_time_is_measured_and_reaches_the_cost_model() -> None:
     costs = CostModel.from_profile(prof, Partition(model="mlp", num_layers=4, bounds=(0, 1, 4)))
     assert costs.update_s[0][0] == pytest.approx(prof.layers[0].update_s)
     assert costs.update_s[0][1] == pytest.approx(sum(lp.update_s for lp in prof.layers[1:]))
+
+
+def test_batched_weight_grad_timings_are_measured_and_survive_json() -> None:
+    prof = profile_model(_small_mlp(), microbatch=4, warmup=0, repeats=2, wgrad_microbatches=3)
+    assert prof.wgrad_microbatches == 3 and prof.has_batched_wgrad
+    for lp in prof.layers:
+        assert lp.backward_input_s is not None and lp.backward_input_s > 0
+        assert lp.wgrad_s is not None and lp.wgrad_s > 0
+    assert Profile.from_json(prof.to_json()) == prof
+
+
+def test_profiles_without_batched_weight_grad_timings_still_load() -> None:
+    prof = profile_model(_small_mlp(), microbatch=4, warmup=0, repeats=1)
+    assert not prof.has_batched_wgrad
+    data = prof.to_json()
+    assert "backward_input_s" not in data["layers"][0]  # as written before these fields
+    del data["wgrad_microbatches"]
+    old = Profile.from_json(data)
+    assert old == prof
+    assert old.layers[0].wgrad_s is None and old.wgrad_microbatches == 0

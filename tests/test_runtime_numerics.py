@@ -1,6 +1,7 @@
 """Transparency: pipelined training over real stage processes equals single-process
-training of the same micro-batches (synchronous schedules), and equals a reference
-that applies the documented weight-version rules (PipeDream, 2BW)."""
+training of the same micro-batches (synchronous schedules, with per-micro-batch or
+batched weight gradients), and equals a reference that applies the documented
+weight-version rules (PipeDream, 2BW)."""
 
 from __future__ import annotations
 
@@ -49,21 +50,44 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         )
 
 
-SYNC_CASES = [
-    pytest.param(
-        schedule, stages, recompute, id=f"{schedule}-S{stages}{'-recompute' if recompute else ''}"
+def _sync_case(schedule: str, stages: int, recompute: bool, batch_wgrad: bool) -> Any:
+    name = f"{schedule}-S{stages}{'-recompute' if recompute else ''}"
+    # Batched weight gradients change only where dW is computed: every 2-stage case runs
+    # by default, the 4-stage ones (but 1F1B) only with -m slow, to keep the suite short.
+    slow = batch_wgrad and stages == 4 and (schedule, recompute) != ("1f1b", False)
+    return pytest.param(
+        schedule,
+        stages,
+        recompute,
+        batch_wgrad,
+        id=name + ("-batch-wgrad" if batch_wgrad else ""),
+        marks=[pytest.mark.slow] if slow else [],
     )
+
+
+SYNC_CASES = [
+    _sync_case(schedule, stages, recompute, batch_wgrad)
+    for batch_wgrad in (False, True)
     for schedule in ("gpipe", "1f1b", "interleaved")
     for stages in (2, 4)
     for recompute in (False, True)
 ]
 
 
-@pytest.mark.parametrize(("schedule", "stages", "recompute"), SYNC_CASES)
+@pytest.mark.parametrize(("schedule", "stages", "recompute", "batch_wgrad"), SYNC_CASES)
 def test_synchronous_pipeline_matches_single_process(
-    make_config: Callable[..., RunConfig], schedule: str, stages: int, recompute: bool
+    make_config: Callable[..., RunConfig],
+    schedule: str,
+    stages: int,
+    recompute: bool,
+    batch_wgrad: bool,
 ) -> None:
-    pipeline: dict[str, Any] = {"stages": stages, "schedule": schedule, "recompute": recompute}
+    pipeline: dict[str, Any] = {
+        "stages": stages,
+        "schedule": schedule,
+        "recompute": recompute,
+        "batch_weight_grads": batch_wgrad,
+    }
     model: dict[str, Any] = {}
     if schedule == "interleaved":
         pipeline["virtual"] = 2

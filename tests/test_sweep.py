@@ -104,6 +104,16 @@ def test_without_a_sweep_the_run_is_a_one_job_array() -> None:
             "[data].microbatches must be 1 with a [sweep]",
         ),
         ({"grid": {"batch_size": [0]}}, {}, "batch_size must be >= 1"),
+        (
+            {"grid": {"lr": [0.1]}},
+            {"pipeline": {"batch_weight_grads": True}},
+            "[pipeline].batch_weight_grads has nothing to batch with a [sweep]",
+        ),
+        (
+            {"grid": {"lr": [0.1]}, "halving_every": -1},
+            {},
+            "[sweep].halving_every must be >= 0",
+        ),
     ],
 )
 def test_bad_sweeps_name_the_field(

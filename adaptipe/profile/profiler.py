@@ -3,9 +3,15 @@
 Each layer is timed on its own, fed the real activation the layers before it produce
 for one micro-batch of the model's own data. Forward and backward times are medians of
 ``repeats`` runs after ``warmup`` runs; the last layer's times include the loss, since
-the last stage computes it. Bytes come from the tensors themselves: the output
-(sent forward), the gradient w.r.t. the input (sent backward), and what autograd saves
-for backward (the activation stash), found with ``saved_tensors_hooks``.
+the last stage computes it. As in the runtime, the first layer computes no gradient
+w.r.t. the model's input. Bytes come from the tensors themselves: the output (sent
+forward), the gradient w.r.t. the input (sent backward), and what autograd saves for
+backward (the activation stash), found with ``saved_tensors_hooks``.
+
+For runs with batched weight gradients (`adaptipe.runtime.wgrad`), ``wgrad_microbatches``
+> 0 also times each layer's backward with its Linear weight gradients deferred, and the
+deferred weight gradients of that many micro-batches computed at once, as the stage
+does before its optimizer step.
 """
 
 from __future__ import annotations
@@ -106,6 +112,49 @@ def _time_layer(
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _time_deferred(
+    layer: torch.nn.Module,
+    run: Callable[[], torch.Tensor],
+    grad_for: Callable[[torch.Tensor], torch.Tensor | None],
+    *,
+    microbatches: int,
+    warmup: int,
+    repeats: int,
+    device: torch.device,
+) -> tuple[float, float]:
+    """(backward with Linear weight gradients deferred, their flush for ``microbatches``)."""
+    # Imported here: the runtime package pulls in much more than profiling needs.
+    from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
+
+    recorder = WeightGradStash()
+    with defer_weight_grads([layer], recorder):
+        _, backward_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=device)
+        recorder.clear()
+        out = run()
+        torch.autograd.backward(out, grad_for(out))  # one micro-batch's (X, dY), to replay
+    # Distinct copies per micro-batch: the flush reads as many bytes as the stage's does.
+    batch = [
+        (w, b, x.clone(), dy.clone())
+        for _ in range(microbatches)
+        for w, b, x, dy in recorder.pairs()
+    ]
+    params = [p for p in layer.parameters() if p.requires_grad]
+    times: list[float] = []
+    for i in range(warmup + repeats):
+        stash = WeightGradStash()
+        for pair in batch:
+            stash.add(*pair)
+        for p in params:
+            p.grad = None  # as after the runtime's previous step
+        _sync(device)
+        t0 = time.perf_counter()
+        stash.flush()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return backward_s, statistics.median(times)
+
+
 def _make_optimizer(params: list[torch.nn.Parameter], optimizer: str) -> torch.optim.Optimizer:
     # foreach=False: the runtime steps one optimizer per layer the same way.
     if optimizer == "adam":
@@ -158,6 +207,7 @@ def profile_model(
     optimizer: str = "sgd",
     threads: int | None = None,
     progress: ProgressFn | None = None,
+    wgrad_microbatches: int = 0,
 ) -> Profile:
     """Measure every layer of ``spec`` at micro-batch size ``microbatch``.
 
@@ -171,6 +221,9 @@ def profile_model(
         optimizer: ``sgd``, ``momentum``, ``adam`` or ``adamw`` (sets optimizer-state bytes).
         threads: intra-op threads to use (default: leave torch's setting).
         progress: called as ``progress(done, total, layer_name)`` after each layer.
+        wgrad_microbatches: also time batched weight gradients (``backward_input_s``
+            and ``wgrad_s``) for this many micro-batches per batch, the run's
+            ``[data].microbatches`` (0: skip).
     """
     if microbatch < 1:
         raise PlanError(f"microbatch must be >= 1 (got {microbatch})")
@@ -178,6 +231,8 @@ def profile_model(
         raise PlanError(
             f"repeats must be >= 1 and warmup >= 0 (got repeats={repeats}, warmup={warmup})"
         )
+    if wgrad_microbatches < 0:
+        raise PlanError(f"wgrad_microbatches must be >= 0 (got {wgrad_microbatches})")
     if optimizer not in OPTIMIZER_STATE_FACTOR:
         raise PlanError(
             f"optimizer {optimizer!r} unknown (allowed: {', '.join(OPTIMIZER_STATE_FACTOR)})"
@@ -189,7 +244,9 @@ def profile_model(
             raise PlanError(f"threads must be >= 1 (got {threads})")
         torch.set_num_threads(threads)
     try:
-        return _profile(spec, microbatch, dev, warmup, repeats, seed, optimizer, progress)
+        return _profile(
+            spec, microbatch, dev, warmup, repeats, seed, optimizer, progress, wgrad_microbatches
+        )
     finally:
         torch.set_num_threads(old_threads)
 
@@ -203,6 +260,7 @@ def _profile(
     seed: int,
     optimizer: str,
     progress: ProgressFn | None,
+    wgrad_microbatches: int,
 ) -> Profile:
     x, target = spec.dataset(split="train").sample_batch(microbatch, seed=seed)
     x, target = x.to(dev), target.to(dev)
@@ -214,8 +272,11 @@ def _profile(
     layers: list[LayerProfile] = []
     for i in range(n):
         layer = spec.build_layer(i, seed=seed, device=dev)
+        params = list(layer.parameters())
         inp = x.detach()
-        if inp.is_floating_point():
+        # The runtime never asks for the gradient of the model's input (only a layer
+        # without parameters needs one there, to have a backward at all).
+        if inp.is_floating_point() and (i > 0 or not any(p.requires_grad for p in params)):
             inp.requires_grad_(True)
         last = i == n - 1
 
@@ -231,7 +292,17 @@ def _profile(
             return torch.randn(out.shape, generator=gen).to(device=dev, dtype=out.dtype)
 
         fwd_s, bwd_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=dev)
-        params = list(layer.parameters())
+        bwd_input_s = wgrad_s = None
+        if wgrad_microbatches:
+            bwd_input_s, wgrad_s = _time_deferred(
+                layer,
+                run,
+                grad_for,
+                microbatches=wgrad_microbatches,
+                warmup=warmup,
+                repeats=repeats,
+                device=dev,
+            )
         update_s = _time_update(params, optimizer, warmup=warmup, repeats=repeats, device=dev)
         counter = _SavedBytes({p.untyped_storage().data_ptr() for p in params})
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -244,12 +315,14 @@ def _profile(
                 forward_s=fwd_s,
                 backward_s=bwd_s,
                 activation_bytes=_nbytes(out),
-                gradient_bytes=_nbytes(inp) if inp.is_floating_point() else 0,
+                gradient_bytes=_nbytes(x) if x.is_floating_point() else 0,
                 saved_bytes=counter.total,
                 param_bytes=param_bytes,
                 optimizer_bytes=param_bytes * state_factor,
                 num_params=sum(p.numel() for p in params),
                 update_s=update_s,
+                backward_input_s=bwd_input_s,
+                wgrad_s=wgrad_s,
             )
         )
         with torch.no_grad():
@@ -265,6 +338,7 @@ def _profile(
         threads=torch.get_num_threads(),
         repeats=repeats,
         input_bytes=input_bytes,
+        wgrad_microbatches=wgrad_microbatches,
         meta=_environment(spec, dev, warmup),
         layers=tuple(layers),
     )

@@ -30,6 +30,12 @@ class LayerProfile:
         optimizer_bytes: bytes of optimizer state for those parameters.
         num_params: number of parameters.
         update_s: median time of the optimizer step for those parameters.
+        backward_input_s: median backward time with the weight gradients of the layer's
+            ``nn.Linear`` modules deferred (batched weight gradients); ``None`` if not
+            measured. Other parameters' gradients are still included.
+        wgrad_s: median time to compute those deferred weight gradients for
+            `Profile.wgrad_microbatches` micro-batches at once (one GEMM per Linear);
+            ``None`` if not measured.
     """
 
     name: str
@@ -43,6 +49,8 @@ class LayerProfile:
     optimizer_bytes: int
     num_params: int
     update_s: float = 0.0
+    backward_input_s: float | None = None
+    wgrad_s: float | None = None
 
     @property
     def compute_s(self) -> float:
@@ -51,7 +59,11 @@ class LayerProfile:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Profile:
-    """Per-layer profile of one model at one micro-batch size (PipeDream §2.4.1)."""
+    """Per-layer profile of one model at one micro-batch size (PipeDream §2.4.1).
+
+    ``wgrad_microbatches`` is the number of micro-batches whose deferred weight gradients
+    each layer's ``wgrad_s`` covers (0: batched weight gradients were not profiled).
+    """
 
     model: str
     microbatch: int
@@ -63,6 +75,7 @@ class Profile:
     threads: int = 1
     repeats: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    wgrad_microbatches: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -71,6 +84,18 @@ class Profile:
             raise PlanError(
                 f"profile of {self.model!r}: microbatch must be >= 1 (got {self.microbatch})"
             )
+        if self.wgrad_microbatches < 0:
+            raise PlanError(
+                f"profile of {self.model!r}: wgrad_microbatches must be >= 0 "
+                f"(got {self.wgrad_microbatches})"
+            )
+
+    @property
+    def has_batched_wgrad(self) -> bool:
+        """Whether every layer has its batched weight-gradient timings."""
+        return self.wgrad_microbatches > 0 and all(
+            x.backward_input_s is not None and x.wgrad_s is not None for x in self.layers
+        )
 
     @property
     def num_layers(self) -> int:
@@ -94,8 +119,12 @@ class Profile:
             "threads": self.threads,
             "repeats": self.repeats,
             "input_bytes": self.input_bytes,
+            "wgrad_microbatches": self.wgrad_microbatches,
             "meta": dict(self.meta),
-            "layers": [asdict(layer) for layer in self.layers],
+            # Unmeasured optional timings are left out, as in profiles written before them.
+            "layers": [
+                {k: v for k, v in asdict(layer).items() if v is not None} for layer in self.layers
+            ],
         }
 
     @classmethod
@@ -121,6 +150,8 @@ class Profile:
                     optimizer_bytes=get_int(raw, "optimizer_bytes", minimum=0, default=0, **kw),
                     num_params=get_int(raw, "num_params", minimum=0, default=0, **kw),
                     update_s=get_float(raw, "update_s", minimum=0.0, default=0.0, **kw),
+                    backward_input_s=_optional_seconds(raw, "backward_input_s", **kw),
+                    wgrad_s=_optional_seconds(raw, "wgrad_s", **kw),
                 )
             )
         meta = data.get("meta", {})
@@ -135,6 +166,9 @@ class Profile:
             threads=get_int(data, "threads", source=source, minimum=0, default=1),
             repeats=get_int(data, "repeats", source=source, minimum=0, default=0),
             input_bytes=get_int(data, "input_bytes", source=source, minimum=0, default=0),
+            wgrad_microbatches=get_int(
+                data, "wgrad_microbatches", source=source, minimum=0, default=0
+            ),
             meta=meta,
             layers=tuple(layers),
         )
@@ -169,3 +203,9 @@ class Profile:
             input_bytes=activation_bytes,
             layers=tuple(LayerProfile(name=f"layer{i}", **layer) for i in range(num_layers)),  # type: ignore[arg-type]
         )
+
+
+def _optional_seconds(raw: Any, key: str, *, source: str, prefix: str) -> float | None:
+    if raw.get(key) is None:
+        return None
+    return get_float(raw, key, minimum=0.0, source=source, prefix=prefix)

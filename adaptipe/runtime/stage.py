@@ -11,10 +11,16 @@ sync, 2BW) compute with *version snapshots*: a micro-batch's forward and backwar
 the tensors of the version its instruction names, while the optimizer updates the live
 parameters in place; gradients computed on a snapshot are added into the live
 parameters' ``.grad`` before the step (dissertation §2.4, §3.2.1).
+
+Batched weight gradients (``batch_weight_grads``, synchronous schedules of one job):
+a micro-batch's backward through an ``nn.Linear`` computes only the input gradient; the
+weight gradients of all micro-batches are one GEMM each, right before the optimizer step
+(`adaptipe.runtime.wgrad`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +32,7 @@ from torch.func import functional_call
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
+from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.schedule.types import (
     Backward,
     Forward,
@@ -65,7 +72,8 @@ class IterationStats:
     losses: dict[int, float] = field(default_factory=dict)  # per job, summed over micro-batches
     # Per global layer: forward time measured layer by layer; backward time is measured per
     # chunk and split across its layers in proportion to their forward time (autograd runs
-    # a chunk's backward as one call).
+    # a chunk's backward as one call); batched weight gradients, computed at the step for
+    # the whole stage, are split the same way over all its layers.
     layer_forward_s: dict[int, float] = field(default_factory=dict)
     layer_backward_s: dict[int, float] = field(default_factory=dict)
     max_in_flight: int = 0
@@ -93,8 +101,9 @@ class StageExecutor:
             (1..G-1) for ``job`` (jobs of an array may differ in batch size).
         binder: per-job layer states of a job-array; ``None`` for one job, whose
             parameters live in the slots' modules.
-        batch_weight_grads: compute weight gradients once per batch at the optimizer
-            step instead of once per micro-batch (synchronous schedules only).
+        batch_weight_grads: compute ``nn.Linear`` weight gradients once per batch at the
+            optimizer step instead of once per micro-batch (one job, synchronous
+            schedules; job-arrays and asynchronous schedules are rejected).
     """
 
     def __init__(
@@ -125,6 +134,13 @@ class StageExecutor:
             raise ValueError(
                 f"job-arrays run synchronous schedules (got weights={schedule.weights!r})"
             )
+        if batch_weight_grads and (binder is not None or schedule.weights != "sync"):
+            raise ValueError(
+                "batch_weight_grads needs one job and a synchronous schedule (gpipe, 1f1b, "
+                f"interleaved); got weights={schedule.weights!r}"
+                f"{' and a job-array' if binder is not None else ''}"
+            )
+        self._wgrad = WeightGradStash()
         self.chunk_layers = [[slot.index for slot in chunk] for chunk in chunks]
         self.program: tuple[Instruction, ...] = schedule.stages[stage]
         self.num_vstages = schedule.num_virtual_stages
@@ -228,8 +244,7 @@ class StageExecutor:
             return elapsed * self.slowdown
         return elapsed
 
-    def _split_backward(self, chunk: int, seconds: float) -> None:
-        layers = self.chunk_layers[chunk]
+    def _split_backward(self, layers: Sequence[int], seconds: float) -> None:
         fwd = [self._layer_fwd.get(i, 0.0) for i in layers]
         total = sum(fwd)
         for i, f in zip(layers, fwd, strict=True):
@@ -266,98 +281,111 @@ class StageExecutor:
         last_vstage = self.num_vstages - 1
         compute = 0.0
 
-        for pos, ins in enumerate(self.program):
-            match ins:
-                case RecvActivation(job=j, microbatch=m, chunk=c):
-                    inputs[(j, m, c)] = transport.recv(
-                        TransferKey(j, m, self._vstage(c), ACTIVATION)
-                    )
-                case RecvGradient(job=j, microbatch=m, chunk=c):
-                    received_grads[(j, m, c)] = transport.recv(
-                        TransferKey(j, m, self._vstage(c) + 1, GRADIENT)
-                    )
-                case SendActivation(job=j, microbatch=m, chunk=c, peer=p):
-                    transport.send(
-                        outputs.pop((j, m, c)),
-                        p,
-                        TransferKey(j, m, self._vstage(c) + 1, ACTIVATION),
-                    )
-                case SendGradient(job=j, microbatch=m, chunk=c, peer=p):
-                    transport.send(
-                        grads_out.pop((j, m, c)), p, TransferKey(j, m, self._vstage(c), GRADIENT)
-                    )
-                case Forward(job=j, microbatch=m, chunk=c, version=v):
-                    if self.memory is not None:
-                        self.memory.before_block(j)
-                    t0 = time.perf_counter()
-                    key = (j, m, c)
-                    g = self._vstage(c)
-                    x = microbatches[j][m][0] if g == 0 else inputs.pop(key)
-                    assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
-                    if x.is_floating_point() and g > 0:
-                        x.requires_grad_(True)
-                    params = self._snapshot(base + v)[c] if self.versioned else None
-                    with torch.set_grad_enabled(not recompute):
-                        out = self._run(j, c, x, params)
+        self._wgrad.clear()
+        with self._deferring():
+            for pos, ins in enumerate(self.program):
+                match ins:
+                    case RecvActivation(job=j, microbatch=m, chunk=c):
+                        inputs[(j, m, c)] = transport.recv(
+                            TransferKey(j, m, self._vstage(c), ACTIVATION)
+                        )
+                    case RecvGradient(job=j, microbatch=m, chunk=c):
+                        received_grads[(j, m, c)] = transport.recv(
+                            TransferKey(j, m, self._vstage(c) + 1, GRADIENT)
+                        )
+                    case SendActivation(job=j, microbatch=m, chunk=c, peer=p):
+                        transport.send(
+                            outputs.pop((j, m, c)),
+                            p,
+                            TransferKey(j, m, self._vstage(c) + 1, ACTIVATION),
+                        )
+                    case SendGradient(job=j, microbatch=m, chunk=c, peer=p):
+                        transport.send(
+                            grads_out.pop((j, m, c)),
+                            p,
+                            TransferKey(j, m, self._vstage(c), GRADIENT),
+                        )
+                    case Forward(job=j, microbatch=m, chunk=c, version=v):
+                        if self.memory is not None:
+                            self.memory.before_block(j)
+                        t0 = time.perf_counter()
+                        key = (j, m, c)
+                        g = self._vstage(c)
+                        x = microbatches[j][m][0] if g == 0 else inputs.pop(key)
+                        assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
+                        if x.is_floating_point() and g > 0:
+                            x.requires_grad_(True)
+                        params = self._snapshot(base + v)[c] if self.versioned else None
+                        with torch.set_grad_enabled(not recompute):
+                            out = self._run(j, c, x, params)
+                            if g == last_vstage:
+                                target = microbatches[j][m][1]
+                                assert target is not None, (
+                                    f"stage {self.stage}: no target for micro-batch {m}"
+                                )
+                                loss = self.loss_fn(out, target)
+                                losses[j] = losses.get(j, 0.0) + float(loss.detach())
+                                out = loss * self.loss_scale
+                            else:
+                                outputs[key] = out.detach()
+                        stash[key] = _Stashed(
+                            inp=x, out=None if recompute else out, version=base + v
+                        )
+                        stats.max_in_flight = max(stats.max_in_flight, len(stash))
+                        compute += self._slow(time.perf_counter() - t0)
+                    case Recompute(job=j, microbatch=m, chunk=c):
+                        if self.memory is not None:
+                            self.memory.before_block(j)
+                        t0 = time.perf_counter()
+                        st = stash[(j, m, c)]
+                        g = self._vstage(c)
+                        params = self._snapshot(st.version)[c] if self.versioned else None
+                        with torch.enable_grad():
+                            out = self._run(j, c, st.inp, params)
+                            if g == last_vstage:
+                                target = microbatches[j][m][1]
+                                assert target is not None
+                                out = self.loss_fn(out, target) * self.loss_scale
+                        st.out = out
+                        compute += self._slow(time.perf_counter() - t0)
+                    case Backward(job=j, microbatch=m, chunk=c):
+                        if self.memory is not None:
+                            self.memory.before_block(j)
+                        t0 = time.perf_counter()
+                        key = (j, m, c)
+                        st = stash.pop(key)
+                        assert st.out is not None, (
+                            f"stage {self.stage}: backward of {key} before its forward/recompute"
+                        )
+                        g = self._vstage(c)
                         if g == last_vstage:
-                            target = microbatches[j][m][1]
-                            assert target is not None, (
-                                f"stage {self.stage}: no target for micro-batch {m}"
-                            )
-                            loss = self.loss_fn(out, target)
-                            losses[j] = losses.get(j, 0.0) + float(loss.detach())
-                            out = loss * self.loss_scale
+                            torch.autograd.backward(st.out)
                         else:
-                            outputs[key] = out.detach()
-                    stash[key] = _Stashed(inp=x, out=None if recompute else out, version=base + v)
-                    stats.max_in_flight = max(stats.max_in_flight, len(stash))
-                    compute += self._slow(time.perf_counter() - t0)
-                case Recompute(job=j, microbatch=m, chunk=c):
-                    if self.memory is not None:
-                        self.memory.before_block(j)
-                    t0 = time.perf_counter()
-                    st = stash[(j, m, c)]
-                    g = self._vstage(c)
-                    params = self._snapshot(st.version)[c] if self.versioned else None
-                    with torch.enable_grad():
-                        out = self._run(j, c, st.inp, params)
-                        if g == last_vstage:
-                            target = microbatches[j][m][1]
-                            assert target is not None
-                            out = self.loss_fn(out, target) * self.loss_scale
-                    st.out = out
-                    compute += self._slow(time.perf_counter() - t0)
-                case Backward(job=j, microbatch=m, chunk=c):
-                    if self.memory is not None:
-                        self.memory.before_block(j)
-                    t0 = time.perf_counter()
-                    key = (j, m, c)
-                    st = stash.pop(key)
-                    assert st.out is not None, (
-                        f"stage {self.stage}: backward of {key} before its forward/recompute"
-                    )
-                    g = self._vstage(c)
-                    if g == last_vstage:
-                        torch.autograd.backward(st.out)
-                    else:
-                        torch.autograd.backward(st.out, received_grads.pop(key))
-                    if g > 0 and st.inp.grad is not None:
-                        grads_out[key] = st.inp.grad
-                    if self.versioned:
-                        self._move_grads(c, self._snapshots[st.version][c])
-                    elapsed = time.perf_counter() - t0
-                    self._split_backward(c, elapsed)
-                    compute += self._slow(elapsed)
-                case OptimizerStep(job=j) if self.binder is not None:
-                    t0 = time.perf_counter()
-                    self.binder.step(j)
-                    compute += self._slow(time.perf_counter() - t0)
-                    if self.memory is not None:
-                        self.memory.after_step(j)
-                case OptimizerStep():
-                    t0 = time.perf_counter()
-                    self._step(pos, base)
-                    compute += self._slow(time.perf_counter() - t0)
+                            torch.autograd.backward(st.out, received_grads.pop(key))
+                        if g > 0 and st.inp.grad is not None:
+                            grads_out[key] = st.inp.grad
+                        if self.versioned:
+                            self._move_grads(c, self._snapshots[st.version][c])
+                        elapsed = time.perf_counter() - t0
+                        self._split_backward(self.chunk_layers[c], elapsed)
+                        compute += self._slow(elapsed)
+                    case OptimizerStep(job=j) if self.binder is not None:
+                        t0 = time.perf_counter()
+                        self.binder.step(j)
+                        compute += self._slow(time.perf_counter() - t0)
+                        if self.memory is not None:
+                            self.memory.after_step(j)
+                    case OptimizerStep():
+                        t0 = time.perf_counter()
+                        if self.batch_weight_grads:
+                            self._flush_weight_grads()
+                        self._step(pos, base)
+                        compute += self._slow(time.perf_counter() - t0)
+        if len(self._wgrad):
+            raise RuntimeError(
+                f"stage {self.stage}: {len(self._wgrad)} deferred weight gradients were never "
+                "applied (no OptimizerStep after the last Backward)"
+            )
         transport.flush()
         self._snapshots.clear()
         stats.wait_s, stats.comm_s = transport.take_times()
@@ -368,6 +396,17 @@ class StageExecutor:
         stats.loss = sum(losses.values()) if losses else None
         stats.iteration_s = time.perf_counter() - t_start
         return stats
+
+    def _deferring(self) -> contextlib.AbstractContextManager[object]:
+        if not self.batch_weight_grads:
+            return contextlib.nullcontext()
+        return defer_weight_grads((slot.module for slot in self.slots()), self._wgrad)
+
+    def _flush_weight_grads(self) -> None:
+        """The batch's Linear weight gradients, charged to the layers' backward time."""
+        t0 = time.perf_counter()
+        self._wgrad.flush()
+        self._split_backward([slot.index for slot in self.slots()], time.perf_counter() - t0)
 
     def _move_grads(self, chunk: int, params: list[dict[str, Tensor]]) -> None:
         """Add gradients computed on a snapshot into the live parameters' ``.grad``."""

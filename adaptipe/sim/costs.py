@@ -76,7 +76,8 @@ class CostModel:
         forward_s, backward_s: compute seconds of one micro-batch through virtual stage g.
         recompute_s: seconds of a `Recompute` (empty: equal to ``forward_s``).
         update_s: seconds of the optimizer step of stage g; a worker's `OptimizerStep`
-            for job j costs the sum over its chunks (empty: zero).
+            for job j costs the sum over its chunks (empty: zero). With batched weight
+            gradients it includes computing them.
         switch_s: seconds added before a compute instruction whose job differs from the
             worker's previous compute instruction (job-array context switch; empty: zero;
             not scaled by ``slowdown`` and not counted as busy time).
@@ -246,16 +247,35 @@ class CostModel:
         latency_s: float = 0.0,
         links: Mapping[Link, tuple[float, float]] | None = None,
         slowdown: Sequence[float] | None = None,
+        batch_weight_grads: bool = False,
+        microbatches: int | None = None,
     ) -> CostModel:
         """Sum a per-layer profile over each virtual stage of ``partition`` (one job).
 
         A stage sends its last layer's activation and its first layer's input gradient;
         under recompute it keeps its input (the previous layer's output, or the
         profile's ``input_bytes`` for stage 0).
+
+        With ``batch_weight_grads`` (the run's ``[pipeline].batch_weight_grads``), a
+        micro-batch's backward costs the profile's ``backward_input_s`` and the step
+        also computes the deferred weight gradients, ``wgrad_s`` per layer. That was
+        measured for ``profile.wgrad_microbatches`` micro-batches; for ``microbatches``
+        others it is scaled in proportion (one GEMM, linear in its rows).
         """
         partition.check_model(
             model=profile.model, num_layers=profile.num_layers, source="cost model"
         )
+        wgrad_scale = 0.0
+        if batch_weight_grads:
+            if not profile.has_batched_wgrad:
+                raise PlanError(
+                    f"cost model: profile of {profile.model!r} has no batched weight-gradient "
+                    "timings (backward_input_s, wgrad_s); profile with wgrad_microbatches = "
+                    "the run's micro-batches"
+                )
+            if microbatches is not None and microbatches < 1:
+                raise PlanError(f"cost model: microbatches must be >= 1 (got {microbatches})")
+            wgrad_scale = (microbatches or profile.wgrad_microbatches) / profile.wgrad_microbatches
         rows: dict[str, list[float]] = {
             k: [] for k in ("f", "b", "u", "act", "grad", "saved", "inp", "par", "opt")
         }
@@ -263,8 +283,13 @@ class CostModel:
             layers = [profile.layers[i] for i in partition.layers(g)]
             first = partition.bounds[g]
             rows["f"].append(sum(x.forward_s for x in layers))
-            rows["b"].append(sum(x.backward_s for x in layers))
-            rows["u"].append(sum(x.update_s for x in layers))
+            if batch_weight_grads:
+                rows["b"].append(sum(x.backward_input_s or 0.0 for x in layers))
+                wgrad = sum(x.wgrad_s or 0.0 for x in layers)
+                rows["u"].append(sum(x.update_s for x in layers) + wgrad * wgrad_scale)
+            else:
+                rows["b"].append(sum(x.backward_s for x in layers))
+                rows["u"].append(sum(x.update_s for x in layers))
             rows["act"].append(layers[-1].activation_bytes)
             rows["grad"].append(layers[0].gradient_bytes)
             rows["saved"].append(sum(x.saved_bytes for x in layers))
