@@ -15,7 +15,10 @@ Three relaxations, each valid on its own; `lower_bound` is their maximum:
   its delivery time, which keeps the relaxation valid.
 
 The branch-and-bound (`adaptipe.japsp.bnb`) reuses `jackson` with heads from its partial
-schedule.
+schedule, and adds two tools of its own that test a target rather than give a number:
+`edge_find` (one stage's heads and tails tightened by edge finding) and `drain_fits`
+(the pipeline drain: jobs leave a stage one after another and then queue through the
+backward blocks of two lower stages, a relaxation that keeps three stages).
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from collections.abc import Iterable, Sequence
 from adaptipe.japsp.evaluate import OpTable
 from adaptipe.japsp.instance import JapspInstance
 
-__all__ = ["bounds", "jackson", "lower_bound", "round_bound", "schrage"]
+__all__ = [
+    "bounds",
+    "drain_fits",
+    "edge_find",
+    "jackson",
+    "johnson_key",
+    "lower_bound",
+    "round_bound",
+    "schrage",
+]
 
 _EPS = 1e-9
 
@@ -63,6 +75,205 @@ def jackson(items: Iterable[tuple[float, float, float]]) -> float:
             heapq.heappush(heap, (nq, p - (nxt - t)))
             t = nxt
     return best
+
+
+def drain_fits(
+    work: Sequence[tuple[float, float, float, float, int]],
+    fixed: Sequence[tuple[float, int]],
+    flow: Sequence[tuple[float, float, float]],
+    target: float,
+    *,
+    effort: int = 500,
+) -> bool:
+    """Whether the pipeline drain can end by ``target``: jobs leave an upstream stage
+    ``M`` one after another, then cross a two-stage flow ``Y -> Z`` (Eq. 6 chains).
+
+    ``flow[i]`` is ``(y, z, q)`` of flow item ``i``: its time on ``Y`` (0 if it only
+    needs ``Z``), on ``Z``, and the least time from ``Z`` to the end; ``flow`` must be
+    in Johnson's order (`johnson_key`). ``fixed`` holds ``(release, i)`` of items no
+    longer on ``M``. ``work`` holds, per job still on ``M``, ``(h, w, l, floor, i)``: its
+    remaining work ``w`` there (not before ``h``) and the lag ``l`` from its completion
+    there to the release of its item ``i`` on ``Y``, never before ``floor``.
+
+    Whatever the order in which jobs finish on ``M``, the ``k``-th cannot finish before
+    ``M`` has done all the work of the first ``k`` (``E``: their work in order of ``h``),
+    so its item is released at ``E + l`` or later. The flow with releases ``r`` then ends
+    no earlier than ``tau + F2(items released at tau or later) + their least q`` for
+    every ``tau`` (F2 by Johnson's rule, optimal for ``F2||C_max``). If no order fits,
+    no schedule does. Orders are searched depth first, longest drain first; a partial
+    order is pruned when the bound with unplaced jobs at their earliest release misses.
+    After ``effort`` partial orders the answer is True (not proven infeasible).
+    """
+    n = len(flow)
+    rel = [math.inf] * n
+    for r, i in fixed:
+        rel[i] = r
+
+    def value() -> float:
+        best = -math.inf
+        for tau in set(rel):
+            if tau == math.inf:
+                continue
+            c1 = c2 = tau
+            qmin = math.inf
+            for i in range(n):
+                if rel[i] >= tau and rel[i] != math.inf:
+                    y, z, q = flow[i]
+                    c1 += y
+                    c2 = (c2 if c2 > c1 else c1) + z
+                    if q < qmin:
+                        qmin = q
+            if c2 + qmin > best:
+                best = c2 + qmin
+        return best
+
+    k = len(work)
+    if not k:
+        return value() <= target
+    hws: list[tuple[float, float]] = []  # (h, w) of the jobs placed so far, by h
+    used = [False] * k
+
+    def finish(h0: float, w0: float) -> float:
+        t = -math.inf
+        placed = False
+        for h, w in hws:
+            if not placed and h0 < h:
+                t = (t if t > h0 else h0) + w0
+                placed = True
+            t = (t if t > h else h) + w
+        if not placed:
+            t = (t if t > h0 else h0) + w0
+        return t
+
+    # the longest drains first: try that order whole before searching
+    order = sorted(range(k), key=lambda x: -(work[x][2] + sum(flow[work[x][4]])))
+    for x in order:
+        h, w, lag, floor, i = work[x]
+        r = finish(h, w) + lag
+        rel[i] = r if r > floor else floor
+        pos = 0
+        while pos < len(hws) and hws[pos][0] <= h:
+            pos += 1
+        hws.insert(pos, (h, w))
+    if value() <= target:
+        return True
+    hws.clear()
+    for x in order:
+        rel[work[x][4]] = math.inf
+
+    spent = 0
+
+    def search(left: int) -> bool:
+        nonlocal spent
+        spent += 1
+        if spent > effort:
+            return True
+        kids: list[tuple[float, int]] = []
+        for x in range(k):
+            if not used[x]:
+                h, w, lag, floor, i = work[x]
+                r = finish(h, w) + lag
+                rel[i] = r if r > floor else floor
+                y, z, q = flow[i]
+                kids.append((-(lag + y + z + q), x))
+        fits = value() <= target
+        for _, x in kids:
+            rel[work[x][4]] = math.inf
+        if not fits or left == 1:
+            return fits
+        kids.sort()
+        for _, x in kids:
+            h, w, lag, floor, i = work[x]
+            r = finish(h, w) + lag
+            rel[i] = r if r > floor else floor
+            used[x] = True
+            pos = 0
+            while pos < len(hws) and hws[pos][0] <= h:
+                pos += 1
+            hws.insert(pos, (h, w))
+            fits = search(left - 1)
+            rel[i] = math.inf
+            hws.pop(pos)
+            used[x] = False
+            if fits:
+                return True
+        return False
+
+    return search(k)
+
+
+def edge_find(
+    ops: Sequence[int],
+    head: list[float],
+    tail: list[float],
+    dext: Sequence[float],
+    target: float,
+) -> int:
+    """Edge finding on one stage against ``target`` (Carlier and Pinson's rules).
+
+    ``head[o]`` is the earliest start of block ``o``, ``tail[o]`` the least time from its
+    start to the end, ``dext[o]`` its time with its switch folded in. A block that cannot
+    come before or within a set ``S`` of the stage's blocks without some block of ``S``
+    missing ``target`` must follow all of ``S``: its head rises to the earliest end of
+    every subset of ``S`` (and, mirrored in time, a block that must precede ``S`` gets its
+    tail raised). The sets are those of blocks with deadlines up to one block's and heads
+    from one block's on, O(n^2) per stage. Returns -1 if the stage cannot meet
+    ``target`` at all, 1 if a head or tail rose, else 0. Both rules hold for any
+    schedule that ends by ``target``, so the caller may prune or tighten with them.
+    """
+    n = len(ops)
+    p = [dext[o] for o in ops]
+    psuf = [0.0] * n
+    csuf = [0.0] * n
+    changed = 0
+    for side in (0, 1):
+        if side == 0:  # releases and deadlines
+            r = [head[o] for o in ops]
+            d = [target - tail[o] + dext[o] for o in ops]
+        else:  # the mirror image: delivery times and latest starts
+            r = [tail[o] - dext[o] for o in ops]
+            d = [target - head[o] for o in ops]
+        order = sorted(range(n), key=r.__getitem__)
+        new_r = list(r)
+        for dk in set(d):
+            # suffix sums over blocks by release: work with deadline <= dk, and the
+            # latest end E(S) of those sets
+            acc, c = 0.0, -math.inf
+            for pos in range(n - 1, -1, -1):
+                x = order[pos]
+                if d[x] <= dk:
+                    acc += p[x]
+                    if r[x] + acc > c:
+                        c = r[x] + acc
+                psuf[pos], csuf[pos] = acc, c
+            if csuf[0] > dk:
+                return -1
+            best, best_c = -math.inf, -math.inf  # the tightest set released earlier
+            for pos in range(n):
+                x = order[pos]
+                rx = r[x]
+                if d[x] > dk:
+                    px = p[x]
+                    if rx + px + psuf[pos] > dk and csuf[pos] > new_r[x]:
+                        new_r[x] = csuf[pos]
+                    if best + px > dk and best_c > new_r[x]:
+                        new_r[x] = best_c
+                if rx + psuf[pos] > best:
+                    best, best_c = rx + psuf[pos], csuf[pos]
+        for x in range(n):
+            if new_r[x] > r[x]:
+                changed = 1
+                if side == 0:
+                    head[ops[x]] = new_r[x]
+                else:
+                    tail[ops[x]] = new_r[x] + dext[ops[x]]
+    return changed
+
+
+def johnson_key(y: float, z: float) -> tuple[int, float]:
+    """Sort key of Johnson's rule for ``F2||C_max``: short ``y`` first among ``y <= z``,
+    then long ``z`` first."""
+    return (0, y) if y <= z else (1, -z)
 
 
 def stage_items(
