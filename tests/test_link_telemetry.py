@@ -263,7 +263,7 @@ def test_two_stage_run_reports_what_each_link_carried(
     make_config: Callable[..., RunConfig],
 ) -> None:
     iterations = 12
-    cfg = make_config(train={"iterations": iterations})
+    cfg = make_config(train={"iterations": iterations, "link_telemetry": True})
     summary = train(cfg)
     records = _telemetry(summary.run_dir)
     links = [r for r in records if r["type"] == "link_sample"]
@@ -309,7 +309,7 @@ def test_a_throttled_link_measures_lower_bandwidth_than_unthrottled(
 ) -> None:
     scenario = tmp_path / "throttle.toml"
     scenario.write_text(THROTTLE)
-    summary = train(make_config(train={"iterations": 36}), inject=scenario)
+    summary = train(make_config(train={"iterations": 36, "link_telemetry": True}), inject=scenario)
     records = _telemetry(summary.run_dir)
     start = next(r["time_s"] for r in records if r.get("kind") == "injection-start")
 
@@ -352,3 +352,10 @@ def test_telemetry_off_writes_no_records_and_trains(
     assert _telemetry(summary.run_dir) == []
     metrics = RunDir(summary.run_dir).read_metrics()
     assert [m["iteration"] for m in metrics] == list(range(6))
+
+
+def test_link_timing_is_off_unless_asked_for(make_config: Callable[..., RunConfig]) -> None:
+    summary = train(make_config(train={"iterations": 4}))
+    records = _telemetry(summary.run_dir)
+    assert {r["stage"] for r in records if r["type"] == "stage_stats"} == {0, 1}
+    assert not [r for r in records if r["type"] == "link_sample"]

@@ -41,6 +41,7 @@ file, the section and field, the value and what is allowed. A complete example::
     timeout_s = 60.0            # collective and p2p timeout
     telemetry = true            # stream stage stats and device samples to the manager
     telemetry_interval_s = 0.2  # device-status sample period, 0.1-0.5 s
+    link_telemetry = false      # also time every send per link (a watcher thread per peer)
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>
 """
@@ -182,6 +183,9 @@ class TrainSection:
     timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
     telemetry: bool = True
     telemetry_interval_s: float = field(default=0.2, metadata=_rule(positive=True))
+    # Off by default: the per-peer watcher threads cost CPU that a small machine's stages
+    # need (on 2 cores, stage compute rose ~10-25% and a pinned CPU hog no longer showed).
+    link_telemetry: bool = False
     run_dir: str = "runs/run"
 
 
@@ -462,6 +466,12 @@ def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
                 src,
                 "[pipeline]",
                 "virtual stages and recompute are not supported with a [sweep] yet",
+            )
+        if pipe.batch_weight_grads:
+            raise _fail(
+                src,
+                "[pipeline].batch_weight_grads",
+                "has nothing to batch with a [sweep]: each job's mini-batch is one block",
             )
         if pipe.stages > spec.num_layers:
             raise _fail(

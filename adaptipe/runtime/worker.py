@@ -259,7 +259,7 @@ def _train(
         num_boundaries=schedule.num_virtual_stages,
         num_microbatches=m,
         num_jobs=schedule.num_jobs,
-        measure_links=telemetry is not None,
+        measure_links=telemetry is not None and config.train.link_telemetry,
     )
     executor = StageExecutor(
         schedule=schedule,
