@@ -81,6 +81,46 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def mlp_model(hidden: int, blocks: int, num_samples: int) -> dict[str, Any]:
+    """The ``[model]`` section that makes adaptipe's ``mlp`` the benchmark model above:
+    ``blocks`` x (Linear(hidden, hidden), ReLU), so adaptipe and the peer train the same."""
+    return {
+        "name": "mlp",
+        "config": {
+            "in_features": hidden,
+            "hidden": hidden,
+            "out_features": hidden,
+            "depth": blocks,
+            "num_samples": num_samples,
+        },
+    }
+
+
+def _single_cfg(
+    hidden: int,
+    blocks: int,
+    batch: int,
+    iterations: int,
+    warmup: int,
+    threads: int,
+    seed: int,
+    microbatches: int,
+    cores: Sequence[int] | None,
+) -> dict[str, Any]:
+    """What a ``single`` child reads: the model, its timing and where it runs."""
+    return {
+        "hidden": hidden,
+        "blocks": blocks,
+        "batch": batch,
+        "iterations": iterations,
+        "warmup": warmup,
+        "threads": threads,
+        "seed": seed,
+        "microbatches": microbatches,
+        "cores": sorted(cores) if cores is not None else None,
+    }
+
+
 def run_single(
     *,
     hidden: int = 1024,
@@ -106,17 +146,7 @@ def run_single(
     _check_common(hidden, blocks, batch, iterations, warmup, microbatches)
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    cfg: dict[str, Any] = {
-        "hidden": hidden,
-        "blocks": blocks,
-        "batch": batch,
-        "iterations": iterations,
-        "warmup": warmup,
-        "threads": threads,
-        "seed": seed,
-        "microbatches": microbatches,
-        "cores": sorted(cores) if cores is not None else None,
-    }
+    cfg = _single_cfg(hidden, blocks, batch, iterations, warmup, threads, seed, microbatches, cores)
     results, pids = _launch([("single", cfg, _child_env(threads))], timeout_s)
     out = results[0]
     out["pids"] = pids
@@ -145,17 +175,9 @@ def run_concurrent_singles(
     cores = sorted(os.sched_getaffinity(0))
     jobs = []
     for i in range(processes):
-        cfg: dict[str, Any] = {
-            "hidden": hidden,
-            "blocks": blocks,
-            "batch": batch,
-            "iterations": iterations,
-            "warmup": warmup,
-            "threads": 1,
-            "seed": seed + i,
-            "microbatches": 1,
-            "cores": [cores[i % len(cores)]],
-        }
+        cfg = _single_cfg(
+            hidden, blocks, batch, iterations, warmup, 1, seed + i, 1, [cores[i % len(cores)]]
+        )
         jobs.append(("single", cfg, _child_env(1)))
     results, pids = _launch(jobs, timeout_s)
     each = [float(r["samples_per_s_median"]) for r in results]

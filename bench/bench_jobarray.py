@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _peer import run_concurrent_singles, run_peer, run_single
+from _peer import mlp_model, run_concurrent_singles, run_peer, run_single
 
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -37,16 +37,7 @@ def run_array(
     with tempfile.TemporaryDirectory(prefix="adaptipe-jobarray-") as tmp:
         config = RunConfig.from_dict(
             {
-                "model": {
-                    "name": "mlp",
-                    "config": {
-                        "in_features": hidden,
-                        "hidden": hidden,
-                        "out_features": hidden,
-                        "depth": blocks,
-                        "num_samples": batch * 4,
-                    },
-                },
+                "model": mlp_model(hidden, blocks, batch * 4),
                 "data": {"batch_size": batch, "microbatches": 1},
                 "optimizer": {"name": "sgd", "lr": 1e-3},
                 "pipeline": {"stages": 2},

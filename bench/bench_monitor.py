@@ -36,6 +36,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _peer import mlp_model
+
 from adaptipe.monitor import Publisher, StageStats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,16 +210,7 @@ def _train_once(
     with tempfile.TemporaryDirectory(prefix="adaptipe-bench-monitor-") as tmp:
         config = RunConfig.from_dict(
             {
-                "model": {
-                    "name": "mlp",
-                    "config": {
-                        "in_features": hidden,
-                        "hidden": hidden,
-                        "out_features": hidden,
-                        "depth": blocks,
-                        "num_samples": batch * 8,
-                    },
-                },
+                "model": mlp_model(hidden, blocks, batch * 8),
                 "data": {"batch_size": batch, "microbatches": 8},
                 "optimizer": {"name": "sgd", "lr": 1e-3},
                 "pipeline": {"stages": 2, "schedule": "1f1b"},

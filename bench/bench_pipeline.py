@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _peer import limit, run_peer, run_single
+from _peer import limit, mlp_model, run_peer, run_single
 
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -50,16 +50,7 @@ def run_adaptipe(
     with tempfile.TemporaryDirectory(prefix="adaptipe-bench-") as tmp:
         config = RunConfig.from_dict(
             {
-                "model": {
-                    "name": "mlp",
-                    "config": {
-                        "in_features": hidden,
-                        "hidden": hidden,
-                        "out_features": hidden,
-                        "depth": blocks,
-                        "num_samples": batch * 8,
-                    },
-                },
+                "model": mlp_model(hidden, blocks, batch * 8),
                 "data": {"batch_size": batch, "microbatches": microbatches},
                 "optimizer": {"name": "sgd", "lr": 1e-3},
                 "pipeline": {
