@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -15,28 +14,9 @@ from adaptipe.japsp.bounds import drain_fits, johnson_key
 from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.evaluate import OpTable, semi_active
 from adaptipe.japsp.genetic import solve_ga
+from tests._japsp_brute import brute_force_optimum
 
 COSTS = ("comm", "switch", "update", "recompute")
-
-
-def _optimum(inst: JapspInstance) -> tuple[float, list[list[int]]]:
-    """Best makespan and orders over every combination of per-stage orders."""
-    tab = OpTable.of(inst)
-    k2 = 2 * tab.stages
-    per_stage = []
-    for ops in tab.machine_ops:
-        ok = []
-        for perm in itertools.permutations(ops):
-            pos = {o: i for i, o in enumerate(perm)}
-            if all(pos[o] < pos[p] for o in perm for p in perm if o // k2 == p // k2 and o < p):
-                ok.append(list(perm))
-        per_stage.append(ok)
-    best: tuple[float, list[list[int]]] = (float("inf"), [])
-    for combo in itertools.product(*per_stage):
-        res = semi_active(tab, combo)
-        if res is not None and res[1] < best[0]:
-            best = (res[1], [list(s) for s in combo])
-    return best
 
 
 def _tiny(seed: int, *, fractional: bool = False) -> JapspInstance:
@@ -88,7 +68,7 @@ def _bounds_along(inst: JapspInstance, optimum: float, seqs: list[list[int]]) ->
 @pytest.mark.parametrize("seed", range(60))
 def test_bnb_proves_the_brute_force_optimum_with_every_cost_term(seed: int) -> None:
     inst = _tiny(seed)
-    optimum, seqs = _optimum(inst)
+    optimum, seqs = brute_force_optimum(inst)
     gpipe = solve(inst, solver="gpipe")
     result = solve_bnb(inst, time_limit_s=20, initial=gpipe.orders)  # the search, not the GA
     assert result.optimal and result.makespan == optimum == result.lower_bound
@@ -99,7 +79,7 @@ def test_bnb_proves_the_brute_force_optimum_with_every_cost_term(seed: int) -> N
 @pytest.mark.parametrize("seed", range(20))
 def test_bnb_is_exact_on_fractional_times(seed: int) -> None:
     inst = _tiny(seed, fractional=True)
-    optimum, seqs = _optimum(inst)
+    optimum, seqs = brute_force_optimum(inst)
     result = solve_bnb(inst, time_limit_s=20, initial=solve(inst, solver="rr").orders)
     assert result.optimal and result.makespan == pytest.approx(optimum, abs=1e-9)
     assert max(_bounds_along(inst, optimum, seqs)) <= optimum + 1e-6

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 from pathlib import Path
@@ -16,10 +15,10 @@ from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, generate, lower_bound, solve, to_schedule
 from adaptipe.japsp.bnb import solve_bnb
 from adaptipe.japsp.cpsat import available as cpsat_available
-from adaptipe.japsp.evaluate import OpTable, semi_active
 from adaptipe.japsp.genetic import solve_ga
 from adaptipe.japsp.solve import add_japsp_parser
 from adaptipe.schedule.validate import validate
+from tests._japsp_brute import brute_force_optimum
 
 FAST = {"bb": 0.3, "ga": 0.05, "gpipe": None, "1f1b": None, "rr": None}
 
@@ -69,26 +68,6 @@ def test_every_solver_returns_feasible_orders_timed_as_reported(inst: JapspInsta
         validate(to_schedule(inst, result.orders))
 
 
-def _brute_force(inst: JapspInstance) -> float:
-    """Best makespan over every combination of per-stage orders (F before B per job)."""
-    tab = OpTable.of(inst)
-    k2 = 2 * tab.stages
-    per_stage = []
-    for ops in tab.machine_ops:
-        ok = []
-        for perm in itertools.permutations(ops):
-            pos = {o: i for i, o in enumerate(perm)}
-            if all(pos[o] < pos[p] for o in perm for p in perm if o // k2 == p // k2 and o < p):
-                ok.append(list(perm))
-        per_stage.append(ok)
-    best = float("inf")
-    for combo in itertools.product(*per_stage):
-        res = semi_active(tab, combo)
-        if res is not None:
-            best = min(best, res[1])
-    return best
-
-
 def _tiny(seed: int) -> JapspInstance:
     rng = random.Random(seed)
     jobs, stages = rng.randint(1, 3), rng.randint(1, 2)
@@ -108,7 +87,7 @@ def test_bnb_matches_brute_force_and_proves_it(seed: int) -> None:
     gpipe = solve(inst, solver="gpipe")
     result = solve_bnb(inst, time_limit_s=10, initial=gpipe.orders)  # the search, not the GA
     assert result.optimal
-    assert result.makespan == _brute_force(inst)
+    assert result.makespan == brute_force_optimum(inst)[0]
     assert result.lower_bound == result.makespan
 
 
