@@ -343,6 +343,42 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- trace
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from adaptipe.runtime.rundir import RunDir
+    from adaptipe.runtime.trace import read_trace, summarise
+
+    run = RunDir(args.run_dir)
+    events, (first, end) = read_trace(run.trace)
+    iterations = end - first
+    summary = summarise(events, iterations=iterations)
+    if args.png:
+        from adaptipe.sim.gantt import plot_timeline
+
+        workers = max(e.worker for e in events) + 1
+        plot_timeline(
+            events,
+            args.png,
+            workers=workers,
+            title=f"{run.root.name}: iterations {first}-{end - 1} as run (gaps: waiting)",
+        )
+    if args.json:
+        print(json.dumps({"iterations": [first, end], "stages": summary}))
+        return 0
+    print(f"{run.root}: iterations {first}-{end - 1}, per iteration:")
+    for stage, row in summary.items():
+        kinds = ", ".join(
+            f"{k} {v['count']} x {v['mean_s'] * 1e3:.2f} ms" for k, v in row["kinds"].items()
+        )
+        print(
+            f"  stage {stage}: busy {row['busy_s'] * 1e3:.1f} ms, idle "
+            f"{row['idle_s'] * 1e3:.1f} ms ({kinds})"
+        )
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
 # --------------------------------------------------------------------------- prepare
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from adaptipe.runtime import prepare
@@ -480,6 +516,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("jobs", nargs="+", metavar="JOB", help="job names or indices in the sweep")
     p.add_argument("--reason", default="user", help="recorded with the stop (default: user)")
     p.set_defaults(func=_cmd_stop)
+
+    p = sub.add_parser(
+        "trace",
+        help="show a run's traced timeline ([train] trace_iterations): per-stage times, Gantt PNG",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--png", help="write the timeline as a Gantt chart PNG here")
+    p.add_argument("--json", action="store_true", help="print the per-stage summary as JSON")
+    p.set_defaults(func=_cmd_trace)
 
     p = sub.add_parser(
         "prepare", help="write a run's plans without starting workers (for torchrun)"

@@ -10,27 +10,39 @@ On a shared machine one measurement can be off by tens of percent either way:
 ``--rounds N`` repeats profile, simulation and run N times per schedule and reports the
 median error (each round's is under ``errors``).
 
+Each run also traces ``--trace`` iterations after warm-up (`adaptipe.runtime.trace`), so
+an error can be told apart: ``per_microbatch`` compares each stage's profiled forward and
+backward time of one micro-batch with the traced one (``ratio`` = real / profiled), and
+``replay_error`` is the simulator's error when fed the traced times instead of the
+profile's: what is left of the error when the compute estimates are exact (waits,
+transfers, the schedule itself). ``--plots DIR`` writes the simulated and the traced
+Gantt charts of each round.
+
     python bench/bench_fidelity.py [--model gpt|mlp] [--iterations 30] [--schedules gpipe,1f1b]
-        [--batch-wgrad] [--rounds 1]
+        [--batch-wgrad] [--rounds 1] [--trace 5] [--plots DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from adaptipe.models import get_model
 from adaptipe.plan.partition import Partition
-from adaptipe.profile import profile_model
+from adaptipe.profile import Profile, profile_model
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.trace import read_trace, summarise
 from adaptipe.schedule.build import build_schedule
-from adaptipe.sim import CostModel, simulate
+from adaptipe.sim import CostModel, plot_gantt, simulate
+from adaptipe.sim.gantt import plot_timeline
 
 MODELS: dict[str, dict[str, Any]] = {
     "gpt": {"name": "gpt", "config": {"n_layer": 4}},
@@ -39,6 +51,52 @@ MODELS: dict[str, dict[str, Any]] = {
         "config": {"in_features": 1024, "hidden": 1024, "out_features": 1024, "depth": 16},
     },
 }
+
+
+def _attrs(batch_wgrad: bool) -> tuple[tuple[str, str], ...]:
+    # With batched weight gradients a micro-batch's backward is the input gradient only.
+    return (
+        ("forward", "forward_s"),
+        ("backward", "backward_input_s" if batch_wgrad else "backward_s"),
+    )
+
+
+def _per_microbatch(
+    profile: Profile, partition: Partition, traced: dict[str, Any], batch_wgrad: bool
+) -> list[dict[str, Any]]:
+    """Per stage and kind: one micro-batch's profiled and traced seconds."""
+    rows = []
+    for s in range(partition.num_stages):
+        layers = profile.layers[partition.bounds[s] : partition.bounds[s + 1]]
+        kinds = traced[str(s)]["kinds"]
+        row: dict[str, Any] = {"stage": s}
+        for kind, attr in _attrs(batch_wgrad):
+            prof = sum(getattr(layer, attr) or 0.0 for layer in layers)
+            real = kinds[kind]["mean_s"] if kind in kinds else 0.0
+            row[kind] = {
+                "profile_s": prof,
+                "real_s": real,
+                "ratio": real / prof if prof > 0 else None,
+            }
+        rows.append(row)
+    return rows
+
+
+def _replayed(
+    profile: Profile, partition: Partition, per_mb: list[dict[str, Any]], batch_wgrad: bool
+) -> Profile:
+    """The profile with each stage's layers scaled to the traced micro-batch times."""
+    layers = list(profile.layers)
+    for row in per_mb:
+        s = row["stage"]
+        for i in range(partition.bounds[s], partition.bounds[s + 1]):
+            changes = {}
+            for kind, attr in _attrs(batch_wgrad):
+                ratio = row[kind]["ratio"]
+                if ratio is not None and getattr(layers[i], attr) is not None:
+                    changes[attr] = getattr(layers[i], attr) * ratio
+            layers[i] = dataclasses.replace(layers[i], **changes)
+    return dataclasses.replace(profile, layers=tuple(layers))
 
 
 def measure(
@@ -51,6 +109,9 @@ def measure(
     iterations: int,
     warmup: int,
     batch_wgrad: bool = False,
+    trace: int = 5,
+    plots: Path | None = None,
+    tag: str = "",
 ) -> dict[str, Any]:
     spec = get_model(model["name"], **model["config"])
     micro = batch // microbatches
@@ -67,7 +128,7 @@ def measure(
     costs = CostModel.from_profile(
         profile, partition, batch_weight_grads=batch_wgrad, microbatches=microbatches
     )
-    predicted = simulate(sched, costs, record=False)
+    predicted = simulate(sched, costs, record=plots is not None)
     with tempfile.TemporaryDirectory(prefix="adaptipe-fidelity-") as tmp:
         config = RunConfig.from_dict(
             {
@@ -83,17 +144,40 @@ def measure(
                 "train": {
                     "iterations": warmup + iterations,
                     "threads_per_stage": 1,
+                    "trace_start": warmup,
+                    "trace_iterations": min(trace, iterations),
                     "run_dir": f"{tmp}/run",
                 },
             },
             source="bench_fidelity",
         )
         summary = train(config)
-        records = RunDir(summary.run_dir).read_metrics()[warmup:]
+        run = RunDir(summary.run_dir)
+        records = run.read_metrics()[warmup:]
+        events, (first, end) = read_trace(run.trace)
     real = statistics.median(r["iteration_s"] for r in records)
     compute_real = [
         statistics.median(r["stages"][s]["compute_s"] for r in records) for s in range(stages)
     ]
+    traced = summarise(events, iterations=end - first)
+    per_mb = _per_microbatch(profile, partition, traced, batch_wgrad)
+    replay_costs = CostModel.from_profile(
+        _replayed(profile, partition, per_mb, batch_wgrad),
+        partition,
+        batch_weight_grads=batch_wgrad,
+        microbatches=microbatches,
+    )
+    replay = simulate(sched, replay_costs, record=False)
+    real_traced = statistics.median(r["iteration_s"] for r in records[: end - first])
+    if plots is not None:
+        plots.mkdir(parents=True, exist_ok=True)
+        plot_gantt(predicted, plots / f"{tag}{schedule}-simulated.png")
+        plot_timeline(
+            events,
+            plots / f"{tag}{schedule}-traced.png",
+            workers=stages,
+            title=f"{schedule}: iterations {first}-{end - 1} as run",
+        )
     return {
         "schedule": schedule,
         "stages": stages,
@@ -103,6 +187,13 @@ def measure(
         "error": (predicted.makespan - real) / real,
         "predicted_busy_s": list(predicted.busy_s),
         "measured_compute_s": compute_real,
+        "per_microbatch": per_mb,
+        "replay_s": replay.makespan,
+        "replay_error": (replay.makespan - real_traced) / real_traced,
+        "idle_s": {
+            "predicted": [predicted.makespan - b for b in predicted.busy_s],
+            "traced": [traced[str(s)]["idle_s"] for s in range(stages)],
+        },
     }
 
 
@@ -110,7 +201,11 @@ def _median_row(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The round with the median error, and every round's error."""
     errors = [r["error"] for r in rounds]
     ranked = sorted(rounds, key=lambda r: r["error"])
-    return {**ranked[(len(ranked) - 1) // 2], "errors": errors}
+    return {
+        **ranked[(len(ranked) - 1) // 2],
+        "errors": errors,
+        "replay_errors": [r["replay_error"] for r in rounds],
+    }
 
 
 def main() -> None:
@@ -130,11 +225,15 @@ def main() -> None:
         help="train and simulate with batched weight gradients",
     )
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--trace", type=int, default=5, help="iterations to trace per run")
+    parser.add_argument("--plots", type=Path, help="write simulated and traced Gantt PNGs here")
     args = parser.parse_args()
+    if args.trace < 1:
+        parser.error("--trace must be >= 1")
     started = time.time()
     schedules = args.schedules.split(",")
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in schedules}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for s in schedules:
             rounds[s].append(
                 measure(
@@ -146,6 +245,9 @@ def main() -> None:
                     iterations=args.iterations,
                     warmup=args.warmup,
                     batch_wgrad=args.batch_wgrad,
+                    trace=args.trace,
+                    plots=args.plots,
+                    tag=f"round{r}-",
                 )
             )
     rows = [_median_row(rounds[s]) for s in schedules]

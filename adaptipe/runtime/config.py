@@ -186,6 +186,10 @@ class TrainSection:
     # Off by default: the per-peer watcher threads cost CPU that a small machine's stages
     # need (on 2 cores, stage compute rose ~10-25% and a pinned CPU hog no longer showed).
     link_telemetry: bool = False
+    # Record a per-instruction timeline of iterations trace_start .. +trace_iterations-1
+    # into RUN_DIR/trace/ (`adaptipe trace RUN_DIR` draws it); 0 records nothing.
+    trace_iterations: int = field(default=0, metadata=_rule(minimum=0))
+    trace_start: int = field(default=0, metadata=_rule(minimum=0))
     run_dir: str = "runs/run"
 
 

@@ -14,6 +14,7 @@ RUN_DIR/
   stages/stage-N.jsonl   what worker N reported, line by line
   logs/stage-N.log       worker N's stdout and stderr
   errors/stage-N.txt     why worker N failed (first line: the cause)
+  trace/stage-N.json     worker N's timeline of the traced iterations, if any
   checkpoints/iter-NNNNNN/, checkpoints/latest.json
 ```
 """
@@ -68,6 +69,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def trace(self) -> Path:
+        return self.root / "trace"
 
     @property
     def checkpoints(self) -> Path:

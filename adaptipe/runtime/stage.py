@@ -31,6 +31,7 @@ from torch.func import functional_call
 
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.memory import MemoryManager
+from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
 from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.schedule.types import (
@@ -152,6 +153,8 @@ class StageExecutor:
         self._layer_bwd: dict[int, float] = {}
         # Injected interference: compute takes `slowdown` times as long (1.0 = none).
         self.slowdown = 1.0
+        # Set by the worker for the iterations it traces ([train] trace_iterations).
+        self.trace: TraceRecorder | None = None
         self._versions_after = self._versions_needed_after() if self.versioned else []
 
     # ------------------------------------------------------------------ planning
@@ -280,6 +283,7 @@ class StageExecutor:
         recompute = self.schedule.recompute
         last_vstage = self.num_vstages - 1
         compute = 0.0
+        trace = self.trace
 
         self._wgrad.clear()
         with self._deferring():
@@ -333,6 +337,8 @@ class StageExecutor:
                         )
                         stats.max_in_flight = max(stats.max_in_flight, len(stash))
                         compute += self._slow(time.perf_counter() - t0)
+                        if trace is not None:
+                            trace.add("forward", j, m, c, t0, time.perf_counter())
                     case Recompute(job=j, microbatch=m, chunk=c):
                         if self.memory is not None:
                             self.memory.before_block(j)
@@ -348,6 +354,8 @@ class StageExecutor:
                                 out = self.loss_fn(out, target) * self.loss_scale
                         st.out = out
                         compute += self._slow(time.perf_counter() - t0)
+                        if trace is not None:
+                            trace.add("recompute", j, m, c, t0, time.perf_counter())
                     case Backward(job=j, microbatch=m, chunk=c):
                         if self.memory is not None:
                             self.memory.before_block(j)
@@ -369,10 +377,14 @@ class StageExecutor:
                         elapsed = time.perf_counter() - t0
                         self._split_backward(self.chunk_layers[c], elapsed)
                         compute += self._slow(elapsed)
+                        if trace is not None:
+                            trace.add("backward", j, m, c, t0, time.perf_counter())
                     case OptimizerStep(job=j) if self.binder is not None:
                         t0 = time.perf_counter()
                         self.binder.step(j)
                         compute += self._slow(time.perf_counter() - t0)
+                        if trace is not None:
+                            trace.add("step", j, -1, -1, t0, time.perf_counter())
                         if self.memory is not None:
                             self.memory.after_step(j)
                     case OptimizerStep():
@@ -381,6 +393,8 @@ class StageExecutor:
                             self._flush_weight_grads()
                         self._step(pos, base)
                         compute += self._slow(time.perf_counter() - t0)
+                        if trace is not None:
+                            trace.add("step", ins.job, -1, -1, t0, time.perf_counter())
         if len(self._wgrad):
             raise RuntimeError(
                 f"stage {self.stage}: {len(self._wgrad)} deferred weight gradients were never "

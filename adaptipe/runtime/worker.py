@@ -41,6 +41,7 @@ from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import IterationStats, StageExecutor
 from adaptipe.runtime.stagestate import StageState, build_stage
+from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, recv_spec, send_spec
 from adaptipe.schedule.types import Schedule
 
@@ -308,6 +309,10 @@ def _train(
             },
         )
         dist.barrier()
+        traced = range(
+            config.train.trace_start, config.train.trace_start + config.train.trace_iterations
+        )
+        recorder = TraceRecorder(rank) if traced else None
         fault_at = _injected_fault(rank)
         control_dir = os.environ.get(CONTROL_DIR_ENV)
         for it in range(start, total):
@@ -341,7 +346,11 @@ def _train(
                 )
             if not streams:
                 per_job = [[(None, None)] * m for _ in jobs]
+            executor.trace = recorder if it in traced else None
             stats = executor.run_iteration(it, per_job)
+            if recorder is not None and it + 1 == traced.stop:
+                recorder.write(run.trace / f"stage-{rank}.json", iterations=(traced.start, it + 1))
+                recorder = None
             record: dict[str, Any] = {
                 "iteration": it,
                 "stage": rank,
@@ -374,6 +383,8 @@ def _train(
                     num_layers=spec.num_layers,
                 )
                 _log(log, {"event": "checkpoint", "stage": rank, "iteration": done})
+        if recorder is not None and recorder.events:  # the run ended inside the window
+            recorder.write(run.trace / f"stage-{rank}.json", iterations=(traced.start, total))
         _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
 
 

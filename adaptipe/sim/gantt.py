@@ -1,4 +1,5 @@
-"""`plot_gantt`: draw a simulated timeline as a PNG Gantt chart (one row per worker).
+"""`plot_gantt`: draw a simulated timeline as a PNG Gantt chart (one row per worker);
+`plot_timeline` draws any list of events, e.g. a real run's trace.
 
 Uses matplotlib's Agg canvas directly (no pyplot, no display, no global backend
 change). Forwards, backwards, recomputes and optimizer steps get distinct colours; with
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
@@ -18,7 +20,7 @@ from matplotlib.patches import Patch
 
 from adaptipe.sim.result import Event, SimResult
 
-__all__ = ["plot_gantt"]
+__all__ = ["plot_gantt", "plot_timeline"]
 
 _KIND_COLOUR = {
     "forward": "#4C72B0",
@@ -65,13 +67,13 @@ def _style(e: Event, multi_job: bool) -> Style:
 
 
 def _rows(
-    result: SimResult, events: list[Event]
+    workers: int, events: list[Event]
 ) -> tuple[dict[tuple[str, int, int], tuple[float, float]], list[str]]:
     """Y position and height of each row (workers first, then used links)."""
     pos: dict[tuple[str, int, int], tuple[float, float]] = {}
     labels: list[str] = []
     y = 0.0
-    for s in range(result.num_stages):
+    for s in range(workers):
         pos[("worker", s, -1)] = (y, _WORKER_H)
         labels.append(f"worker {s}")
         y += 1.0
@@ -121,11 +123,26 @@ def plot_gantt(
     """Write ``result``'s timeline (from ``simulate(..., record=True)``) as a PNG."""
     if not result.timeline:
         raise ValueError("plot_gantt: the result has no timeline; simulate with record=True")
+    head = title or result.schedule
+    plot_timeline(
+        result.timeline,
+        path,
+        workers=result.num_stages,
+        title=f"{head}: makespan {result.makespan:.4g} s, bubble ratio {result.bubble_ratio:.1%}",
+    )
+
+
+def plot_timeline(
+    timeline: Sequence[Event], path: str | os.PathLike[str], *, workers: int, title: str
+) -> None:
+    """Write any timeline (simulated, or traced from a real run) as a PNG Gantt chart."""
     # Zero-length events (free transfers, free steps) have nothing to draw.
-    events = [e for e in result.timeline if e.end > e.start]
+    events = [e for e in timeline if e.end > e.start]
+    if not events:
+        raise ValueError("plot_timeline: no events to draw")
     multi_job = len({e.job for e in events}) > 1
     chunks = max((e.chunk for e in events), default=0) + 1
-    pos, labels = _rows(result, events)
+    pos, labels = _rows(workers, events)
     height = 1.6 + 0.45 * len(labels)
     fig = Figure(figsize=(12.0, height), dpi=120)
     FigureCanvasAgg(fig)
@@ -171,10 +188,7 @@ def plot_gantt(
     ax.set_xlim(t0, t0 + span * 1.002)
     ax.set_xlabel("time (s)")
     ax.grid(axis="x", alpha=0.3)
-    head = title or result.schedule
-    ax.set_title(
-        f"{head}: makespan {result.makespan:.4g} s, bubble ratio {result.bubble_ratio:.1%}"
-    )
+    ax.set_title(title)
     ax.legend(
         handles=_legend(events, multi_job, chunks),
         loc="upper left",

@@ -1,0 +1,132 @@
+"""Real timelines: what each stage worker executed, and when, in traced iterations.
+
+With ``[train] trace_iterations = N`` every worker records one `Event` per compute
+instruction (forward, backward, recompute, optimizer step) of iterations
+``trace_start .. trace_start + N - 1``, in the simulator's own event form, and writes
+them to ``RUN_DIR/trace/stage-N.json``. Times are wall-clock seconds (``time.time``), so
+stages on one host line up; `read_trace` merges the stages and starts the clock at the
+first event. A gap on a worker's row is time it spent waiting (for a transfer, or for
+its peer). `summarise` compares like for like with a simulated timeline: per worker
+and kind, how many boxes and their total seconds, and the idle time between the
+worker's first and last box.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaptipe.errors import PlanError
+from adaptipe.serial import atomic_write_text, check_kind, get_int, get_list, read_json
+from adaptipe.sim.result import Event
+
+__all__ = ["TRACE_VERSION", "TraceRecorder", "read_trace", "summarise"]
+
+TRACE_VERSION = 1
+
+
+@dataclass(slots=True)
+class TraceRecorder:
+    """Collects one worker's events; times come in as ``time.perf_counter`` readings."""
+
+    stage: int
+    events: list[Event] = field(default_factory=list)
+    # perf_counter is per-host monotonic; the offset makes it wall-clock at record time.
+    _offset: float = field(default_factory=lambda: time.time() - time.perf_counter())
+
+    def add(self, kind: str, job: int, microbatch: int, chunk: int, t0: float, t1: float) -> None:
+        off = self._offset
+        self.events.append(
+            Event("worker", self.stage, -1, kind, job, microbatch, chunk, t0 + off, t1 + off)
+        )
+
+    def write(self, path: Path, *, iterations: tuple[int, int]) -> None:
+        """Write the events (``iterations``: first and one-past-last traced) atomically."""
+        data = {
+            "kind": "trace",
+            "version": TRACE_VERSION,
+            "stage": self.stage,
+            "iterations": list(iterations),
+            "events": [e.to_json() for e in self.events],
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data))
+
+
+def read_trace(folder: Path) -> tuple[list[Event], tuple[int, int]]:
+    """Every stage's events from ``folder`` (a run's ``trace/``), time 0 at the first.
+
+    Returns the events sorted by start and the traced iterations ``(first, end)``.
+    """
+    files = sorted(folder.glob("stage-*.json"))
+    if not files:
+        raise PlanError(
+            f"{folder}: no traces (train with [train] trace_iterations = N to record some)"
+        )
+    events: list[Event] = []
+    spans: set[tuple[int, int]] = set()
+    for path in files:
+        data = read_json(path)
+        source = str(path)
+        check_kind(data, kind="trace", version=TRACE_VERSION, source=source)
+        get_int(data, "stage", source=source, minimum=0)
+        first, end = (int(v) for v in get_list(data, "iterations", source=source))
+        spans.add((first, end))
+        events += [Event.from_json(raw) for raw in get_list(data, "events", source=source)]
+    if len(spans) != 1:
+        raise PlanError(f"{folder}: the stages traced different iterations ({sorted(spans)})")
+    if not events:
+        raise PlanError(f"{folder}: the traces hold no events")
+    t0 = min(e.start for e in events)
+    shifted = [
+        Event(
+            e.where,
+            e.worker,
+            e.peer,
+            e.kind,
+            e.job,
+            e.microbatch,
+            e.chunk,
+            e.start - t0,
+            e.end - t0,
+        )
+        for e in events
+    ]
+    shifted.sort(key=lambda e: (e.start, e.worker))
+    return shifted, spans.pop()
+
+
+def summarise(events: list[Event], *, iterations: int = 1) -> dict[str, Any]:
+    """Per worker, per kind: box count and seconds per iteration; idle per iteration.
+
+    Works for real traces and simulated timelines alike, so the two can be compared.
+    """
+    per: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    spans: dict[int, tuple[float, float]] = {}
+    for e in events:
+        if e.where != "worker":
+            continue
+        per[e.worker][e.kind].append(e.duration)
+        lo, hi = spans.get(e.worker, (e.start, e.end))
+        spans[e.worker] = (min(lo, e.start), max(hi, e.end))
+    out: dict[str, Any] = {}
+    for w in sorted(per):
+        busy = sum(sum(v) for v in per[w].values())
+        lo, hi = spans[w]
+        out[str(w)] = {
+            "kinds": {
+                k: {
+                    "count": len(v) // iterations,
+                    "seconds": sum(v) / iterations,
+                    "mean_s": sum(v) / len(v),
+                }
+                for k, v in sorted(per[w].items())
+            },
+            "busy_s": busy / iterations,
+            "idle_s": max(0.0, (hi - lo) - busy) / iterations,
+        }
+    return out

@@ -1,0 +1,141 @@
+"""Real-run timelines ([train] trace_iterations, `adaptipe trace`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from adaptipe.cli import main
+from adaptipe.errors import PlanError
+from adaptipe.runtime.trace import TraceRecorder, read_trace, summarise
+from adaptipe.schedule.build import build_schedule
+from adaptipe.sim import CostModel, simulate
+from adaptipe.sim.result import Event
+
+CONFIG = """
+[model]
+name = "mlp"
+[model.config]
+in_features = 8
+hidden = 16
+depth = 4
+out_features = 4
+num_samples = 128
+[data]
+batch_size = 16
+microbatches = 4
+[optimizer]
+name = "sgd"
+lr = 0.05
+[pipeline]
+stages = 2
+schedule = "1f1b"
+[train]
+iterations = 4
+threads_per_stage = 1
+trace_start = {start}
+trace_iterations = {count}
+"""
+
+
+def _train(tmp_path: Path, *, start: int, count: int) -> Path:
+    config = tmp_path / "traced.toml"
+    config.write_text(CONFIG.format(start=start, count=count))
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--run-dir", str(run), "--json"]) == 0
+    return run
+
+
+def _by(events: list[Event], stage: int, kind: str) -> list[Event]:
+    return [e for e in events if e.worker == stage and e.kind == kind]
+
+
+def test_traced_run_records_every_instruction_in_causal_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _train(tmp_path, start=1, count=2)
+    capsys.readouterr()
+    events, span = read_trace(run / "trace")
+    assert span == (1, 3)
+    for stage in (0, 1):
+        # Two iterations of 4 micro-batches, one step each; on a worker boxes never overlap.
+        assert len(_by(events, stage, "forward")) == 8
+        assert len(_by(events, stage, "backward")) == 8
+        assert len(_by(events, stage, "step")) == 2
+        mine = sorted((e for e in events if e.worker == stage), key=lambda e: e.start)
+        assert all(e.end >= e.start for e in mine)
+        assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(mine))
+    # The k-th forward on stage 1 needs the k-th forward of stage 0 (its activation), the
+    # k-th backward on stage 0 the k-th backward of stage 1 (its gradient).
+    for a, b in zip(_by(events, 0, "forward"), _by(events, 1, "forward"), strict=True):
+        assert a.microbatch == b.microbatch and b.start >= a.end - 1e-4
+    for a, b in zip(_by(events, 1, "backward"), _by(events, 0, "backward"), strict=True):
+        assert a.microbatch == b.microbatch and b.start >= a.end - 1e-4
+    assert min(e.start for e in events) == 0.0
+
+
+def test_trace_command_prints_stage_times_and_draws_the_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _train(tmp_path, start=0, count=1)
+    capsys.readouterr()
+    png = tmp_path / "timeline.png"
+    assert main(["trace", str(run), "--png", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["iterations"] == [0, 1]
+    for stage in ("0", "1"):
+        kinds = out["stages"][stage]["kinds"]
+        assert kinds["forward"]["count"] == 4 and kinds["backward"]["count"] == 4
+        assert out["stages"][stage]["busy_s"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["trace", str(run)]) == 0
+    assert "stage 1: busy" in capsys.readouterr().out
+
+
+def test_a_run_that_ends_inside_the_window_writes_what_it_traced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _train(tmp_path, start=3, count=5)
+    capsys.readouterr()
+    events, span = read_trace(run / "trace")
+    assert span == (3, 4)
+    assert len(_by(events, 0, "step")) == 1
+
+
+def test_summary_of_a_simulated_timeline_matches_the_simulator() -> None:
+    sched = build_schedule("gpipe", stages=3, microbatches=4)
+    costs = CostModel.uniform(3, forward=1.0, backward=2.0)
+    result = simulate(sched, costs, record=True)
+    summary = summarise(list(result.timeline))
+    assert result.makespan == pytest.approx(18.0)  # (M + S - 1) * (F + B)
+    # Stage s works from its first forward (at s) to its last backward (at 18 - 2s): the
+    # idle time in between is the bubble inside that span, 3 * (2 - s) here.
+    for s, idle in enumerate((6.0, 3.0, 0.0)):
+        row = summary[str(s)]
+        assert row["busy_s"] == pytest.approx(result.busy_s[s]) == pytest.approx(12.0)
+        assert row["kinds"]["forward"]["count"] == 4
+        assert row["kinds"]["backward"]["mean_s"] == pytest.approx(2.0)
+        assert row["idle_s"] == pytest.approx(idle)
+
+
+def test_read_trace_refuses_missing_or_mismatched_traces(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="trace_iterations"):
+        read_trace(tmp_path)
+    for stage, span in ((0, (0, 2)), (1, (1, 3))):
+        rec = TraceRecorder(stage)
+        rec.add("forward", 0, 0, 0, 0.0, 1.0)
+        rec.write(tmp_path / f"stage-{stage}.json", iterations=span)
+    with pytest.raises(PlanError, match="different iterations"):
+        read_trace(tmp_path)
+
+
+def test_negative_trace_settings_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(CONFIG.format(start=0, count=-1))
+    assert main(["train", str(config), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "[train].trace_iterations must be >= 0 (got -1)" in capsys.readouterr().err
