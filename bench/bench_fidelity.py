@@ -10,6 +10,11 @@ On a shared machine one measurement can be off by tens of percent either way:
 ``--rounds N`` repeats profile, simulation and run N times per schedule and reports the
 median error (each round's is under ``errors``).
 
+The simulator models the link between the stage processes with the latency and
+bandwidth `adaptipe.profile.link.probe_link` measures before each run (gloo p2p between
+two pinned processes, median round trips); ``error_without_links`` is the error with
+free transfers (``--no-links`` uses those for ``error``).
+
 Each run also traces ``--trace`` iterations after warm-up (`adaptipe.runtime.trace`), so
 an error can be told apart: ``per_microbatch`` compares each stage's profiled forward and
 backward time of one micro-batch with the traced one (``ratio`` = real / profiled), and
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -36,6 +42,7 @@ from typing import Any
 from adaptipe.models import get_model
 from adaptipe.plan.partition import Partition
 from adaptipe.profile import Profile, profile_model
+from adaptipe.profile.link import probe_link
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
@@ -112,6 +119,7 @@ def measure(
     trace: int = 5,
     plots: Path | None = None,
     tag: str = "",
+    model_links: bool = True,
 ) -> dict[str, Any]:
     spec = get_model(model["name"], **model["config"])
     micro = batch // microbatches
@@ -125,10 +133,26 @@ def measure(
     )
     partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=stages)
     sched = build_schedule(schedule, stages=stages, microbatches=microbatches)
+    # The link between two stage processes, measured the way they talk (gloo p2p).
+    link = probe_link() if model_links else None
+    latency = link.latency_s if link else 0.0
+    bandwidth = link.bandwidth_Bps if link else math.inf
     costs = CostModel.from_profile(
-        profile, partition, batch_weight_grads=batch_wgrad, microbatches=microbatches
+        profile,
+        partition,
+        batch_weight_grads=batch_wgrad,
+        microbatches=microbatches,
+        latency_s=latency,
+        bandwidth_Bps=bandwidth,
     )
     predicted = simulate(sched, costs, record=plots is not None)
+    unlinked = simulate(
+        sched,
+        CostModel.from_profile(
+            profile, partition, batch_weight_grads=batch_wgrad, microbatches=microbatches
+        ),
+        record=False,
+    )
     with tempfile.TemporaryDirectory(prefix="adaptipe-fidelity-") as tmp:
         config = RunConfig.from_dict(
             {
@@ -166,6 +190,8 @@ def measure(
         partition,
         batch_weight_grads=batch_wgrad,
         microbatches=microbatches,
+        latency_s=latency,
+        bandwidth_Bps=bandwidth,
     )
     replay = simulate(sched, replay_costs, record=False)
     real_traced = statistics.median(r["iteration_s"] for r in records[: end - first])
@@ -185,6 +211,8 @@ def measure(
         "predicted_s": predicted.makespan,
         "measured_s": real,
         "error": (predicted.makespan - real) / real,
+        "link": {"latency_s": latency, "bandwidth_Bps": bandwidth} if link else None,
+        "error_without_links": (unlinked.makespan - real) / real,
         "predicted_busy_s": list(predicted.busy_s),
         "measured_compute_s": compute_real,
         "per_microbatch": per_mb,
@@ -227,6 +255,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--trace", type=int, default=5, help="iterations to trace per run")
     parser.add_argument("--plots", type=Path, help="write simulated and traced Gantt PNGs here")
+    parser.add_argument(
+        "--no-links",
+        action="store_true",
+        help="simulate free transfers instead of the measured gloo link",
+    )
     args = parser.parse_args()
     if args.trace < 1:
         parser.error("--trace must be >= 1")
@@ -248,6 +281,7 @@ def main() -> None:
                     trace=args.trace,
                     plots=args.plots,
                     tag=f"round{r}-",
+                    model_links=not args.no_links,
                 )
             )
     rows = [_median_row(rounds[s]) for s in schedules]

@@ -380,7 +380,7 @@ class ProbeResult:
     """Round trips per size and the one-way ``latency + size / bandwidth`` fit."""
 
     sizes: tuple[int, ...]
-    rtt_s: tuple[float, ...]  # the fastest of the repeats, per size
+    rtt_s: tuple[float, ...]  # per size, the repeats reduced (by default the fastest)
     latency_s: float
     bandwidth_Bps: float
 
@@ -392,26 +392,29 @@ def probe(
     *,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    reduce: Callable[[list[float]], float] = min,
 ) -> ProbeResult:
     """Time echo round trips of each size and fit latency and bandwidth.
 
     ``send_fn(payload)`` sends the payload to the peer, which echoes it back;
     ``recv_fn()`` returns when the echo has arrived. Each round trip moves the payload
-    twice, so one-way time is half the round trip; the fastest repeat per size is used
-    because interference only ever adds time. With one size the latency is taken as 0.
+    twice, so one-way time is half the round trip. ``reduce`` turns a size's repeats
+    into one round trip: the fastest (default) is the link's capacity, since
+    interference only ever adds time; the median is what a typical transfer costs.
+    With one size the latency is taken as 0.
     """
     if not sizes or min(sizes) < 1 or repeats < 1:
         raise MonitorError(f"probe needs sizes >= 1 and repeats >= 1 (got {sizes}, {repeats})")
     rtts: list[float] = []
     for size in sizes:
         payload = bytes(size)
-        best = math.inf
+        times: list[float] = []
         for _ in range(repeats):
             t0 = clock()
             send_fn(payload)
             recv_fn()
-            best = min(best, clock() - t0)
-        rtts.append(best)
+            times.append(clock() - t0)
+        rtts.append(reduce(times))
     one_way = [r / 2 for r in rtts]
     if len(set(sizes)) > 1:
         slope, latency = statistics.linear_regression([float(s) for s in sizes], one_way)

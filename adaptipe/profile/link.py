@@ -1,0 +1,155 @@
+"""`probe_link`: latency and bandwidth of one pipeline link, measured the way stages talk.
+
+Two processes on this host, pinned to one core each as the stage workers pin themselves
+(threads 1), join a ``torch.distributed`` group over loopback and time echo round
+trips of tensors with point-to-point ``send``/``recv``; the one-way ``latency + bytes /
+bandwidth`` fit (`adaptipe.monitor.bandwidth.probe`) is what the simulator's cost model
+takes (``CostModel.from_profile(..., latency_s=, bandwidth_Bps=)``). On gloo this
+includes the Python and gloo overheads a real transfer pays at both ends, which on a
+small CPU machine are most of a stage boundary's cost (about 0.4 ms per 256 KB transfer
+here, against nothing in a model without links).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from adaptipe.errors import PlanError
+from adaptipe.monitor.bandwidth import ProbeResult
+
+__all__ = ["probe_link"]
+
+_SIZES = (4 << 10, 256 << 10, 1 << 20)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _side(
+    rank: int,
+    port: int,
+    backend: str,
+    sizes: Sequence[int],
+    repeats: int,
+    warmup: int,
+    timeout_s: float,
+    out: Any,
+) -> None:
+    """One end of the link: rank 0 times round trips, rank 1 echoes them."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from adaptipe.monitor.bandwidth import probe
+
+        if hasattr(os, "sched_setaffinity"):
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        torch.set_num_threads(1)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            bufs = {n: torch.empty(n // 4, dtype=torch.float32, device=device) for n in sizes}
+            if rank == 1:  # rank 0 warms every size up, then times every size
+                for n, count in [(n, warmup) for n in sizes] + [(n, repeats) for n in sizes]:
+                    for _ in range(count):
+                        dist.recv(bufs[n], 0)
+                        dist.send(bufs[n], 0)
+                out.put((rank, None))
+                return
+            current: dict[str, int] = {"n": sizes[0]}
+
+            def send(payload: bytes) -> None:
+                current["n"] = len(payload)
+                dist.send(bufs[len(payload)], 1)
+
+            def recv() -> None:
+                dist.recv(bufs[current["n"]], 1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            for n in sizes:  # untimed round trips: connections, allocator, caches
+                for _ in range(warmup):
+                    send(bytes(n))
+                    recv()
+            result = probe(send, recv, sizes, repeats=repeats, reduce=statistics.median)
+            out.put((rank, (result.sizes, result.rtt_s, result.latency_s, result.bandwidth_Bps)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report, never hang the parent
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def probe_link(
+    *,
+    backend: str = "gloo",
+    sizes: Sequence[int] = _SIZES,
+    repeats: int = 20,
+    warmup: int = 3,
+    timeout_s: float = 60.0,
+) -> ProbeResult:
+    """Measure one loopback link between two pinned processes (gloo on CPU, or NCCL
+    between GPUs 0 and 1): the median round trip per size and the one-way fit."""
+    if backend not in ("gloo", "nccl"):
+        raise PlanError(f"probe_link: backend must be gloo or nccl (got {backend!r})")
+    if not sizes or any(n < 4 or n % 4 for n in sizes) or len(set(sizes)) != len(sizes):
+        raise PlanError(
+            f"probe_link: sizes must be distinct multiples of 4 bytes (got {list(sizes)})"
+        )
+    if repeats < 1 or warmup < 0:
+        raise PlanError(f"probe_link: repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    args = (port, backend, tuple(sizes), repeats, warmup, timeout_s, out)
+    procs = [ctx.Process(target=_side, args=(rank, *args), daemon=True) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    replies: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(replies) < len(procs):
+            try:
+                rank, value = out.get(timeout=0.2)
+                replies[rank] = value
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(procs) if r not in replies and p.exitcode is not None]
+            if dead:
+                raise PlanError(
+                    f"probe_link: probe process {dead[0]} died (exit code "
+                    f"{procs[dead[0]].exitcode}) without an answer"
+                )
+            if time.monotonic() > deadline:
+                raise PlanError(f"probe_link: no answer from the probe processes in {timeout_s} s")
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    for rank, value in sorted(replies.items()):
+        if isinstance(value, str):
+            raise PlanError(f"probe_link: rank {rank} failed: {value}")
+    sizes_out, rtts, latency, bandwidth = replies[0]
+    return ProbeResult(tuple(sizes_out), tuple(rtts), float(latency), float(bandwidth))
