@@ -66,6 +66,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             threads=args.threads,
             progress=step,
+            wgrad_microbatches=args.wgrad_microbatches,
         )
     if args.out:
         write_json(args.out, prof.to_json())
@@ -226,6 +227,13 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
             bandwidth_Bps=parse_bandwidth(args.bandwidth),
             latency_s=args.latency,
             slowdown=slowdown,
+            batch_weight_grads=args.batch_weight_grads,
+            microbatches=args.microbatches,
+        )
+    elif args.batch_weight_grads:
+        raise PlanError(
+            "--batch-weight-grads needs --profile and --partition (a profile measured with "
+            "--wgrad-microbatches)"
         )
     else:
         costs = CostModel.uniform_for(schedule)
@@ -455,6 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="model config override"
     )
+    p.add_argument(
+        "--wgrad-microbatches",
+        type=int,
+        default=0,
+        metavar="M",
+        help="also time batched weight gradients for M micro-batches per batch (for "
+        "batch_weight_grads runs and simulate --batch-weight-grads)",
+    )
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
     p.set_defaults(func=_cmd_profile)
 
@@ -520,6 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--latency", type=float, default=0.0, help="link latency in seconds (with --profile)"
     )
     p.add_argument("--slowdown", help="per-stage compute slowdown factors, e.g. 1,2.5")
+    p.add_argument(
+        "--batch-weight-grads",
+        action="store_true",
+        help="Linear weight gradients once per batch at the step ([pipeline] batch_weight_grads)",
+    )
     p.add_argument(
         "--iterations", type=int, default=1, help="also simulate this many iterations back to back"
     )

@@ -199,6 +199,31 @@ def test_profile_command_writes_a_profile(
     assert code == 0
     prof = Profile.from_json(json.loads(out.read_text()))
     assert prof.model == "mlp" and prof.num_layers == 3 and prof.microbatch == 4
+    assert not prof.has_batched_wgrad
+
+
+def test_batched_weight_gradients_from_profile_to_simulation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prof_path, part_path = tmp_path / "p.json", tmp_path / "part.json"
+    model = ("--model", "mlp", "--set", "depth=4", "--set", "hidden=64")
+    args = ("--microbatch", "8", "--repeats", "2", "--warmup", "0", "--out", str(prof_path))
+    code, _, _ = _run(capsys, "profile", *model, *args, "--wgrad-microbatches", "4")
+    assert code == 0
+    prof = Profile.from_json(json.loads(prof_path.read_text()))
+    assert prof.has_batched_wgrad and prof.wgrad_microbatches == 4
+    part = Partition.even(model="mlp", num_layers=4, num_stages=2)
+    part_path.write_text(json.dumps(part.to_json()))
+    sim = ("simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--json")
+    files = ("--profile", str(prof_path), "--partition", str(part_path))
+    code, plain, _ = _run(capsys, *sim, *files)
+    assert code == 0
+    code, batched, _ = _run(capsys, *sim, *files, "--batch-weight-grads")
+    assert code == 0
+    # The runs differ in how backward work is costed, so the makespans differ.
+    assert json.loads(batched)["makespan"] != json.loads(plain)["makespan"]
+    code, _, err = _run(capsys, *sim, "--batch-weight-grads")
+    assert code == 2 and "--batch-weight-grads needs --profile" in err
 
 
 def test_installed_entry_point_runs(tmp_path: Path) -> None:
