@@ -100,6 +100,9 @@ def test_batched_weight_grad_timings_are_measured_and_survive_json() -> None:
     for lp in prof.layers:
         assert lp.backward_input_s is not None and lp.backward_input_s > 0
         assert lp.wgrad_s is not None and lp.wgrad_s > 0
+    # Each layer is one Linear: a micro-batch keeps its input and its output gradient.
+    widths = [(16, 32), (32, 32), (32, 32), (32, 4)]
+    assert [lp.wgrad_bytes for lp in prof.layers] == [4 * (i + o) * 4 for i, o in widths]
     assert Profile.from_json(prof.to_json()) == prof
 
 
@@ -112,3 +115,4 @@ def test_profiles_without_batched_weight_grad_timings_still_load() -> None:
     old = Profile.from_json(data)
     assert old == prof
     assert old.layers[0].wgrad_s is None and old.wgrad_microbatches == 0
+    assert old.layers[0].wgrad_bytes is None

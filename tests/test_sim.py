@@ -449,6 +449,12 @@ def test_from_profile_with_batched_weight_grads_moves_wgrad_to_the_step() -> Non
     assert plain.backward_s == ((1.0, 3.0),) and plain.update_s[0] == pytest.approx((0.1, 0.3))
     batched = CostModel.from_profile(profile, part, batch_weight_grads=True)
     assert batched.backward_s[0] == pytest.approx((0.6, 1.8))
+    assert plain.wgrad_bytes == ((0, 0),) and batched.wgrad_bytes == ((0, 0),)  # unmeasured
+    measured = dataclasses.replace(
+        profile, layers=tuple(dataclasses.replace(lp, wgrad_bytes=7) for lp in layers)
+    )
+    assert CostModel.from_profile(measured, part, batch_weight_grads=True).wgrad_bytes == ((7, 21),)
+    assert CostModel.from_profile(measured, part).wgrad_bytes == ((0, 0),)
     assert batched.update_s[0] == pytest.approx((1.7, 5.1))  # update + batched dW
     assert batched.forward_s == plain.forward_s
     # Measured for 4 micro-batches; a run with 8 computes twice the rows.
@@ -459,6 +465,27 @@ def test_from_profile_with_batched_weight_grads_moves_wgrad_to_the_step() -> Non
     assert simulate(sched, batched).makespan != simulate(sched, plain).makespan
     with pytest.raises(PlanError, match="no batched weight-gradient timings"):
         CostModel.from_profile(base, part, batch_weight_grads=True)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_batched_weight_grad_stashes_are_held_until_the_step(schedule: str) -> None:
+    chunks = 2 if schedule == "interleaved" else 1
+    sched = build_schedule(schedule, stages=2, microbatches=4, chunks=chunks)
+    g = 2 * chunks
+    ones = [[1.0] * g]
+    # Only weight-gradient stashes: every micro-batch's, of every chunk, lives until the
+    # step, so each worker peaks at all of them.
+    only = CostModel(forward_s=ones, backward_s=ones, wgrad_bytes=[[10] * g])
+    assert simulate(sched, only).peak_activation_bytes == (4 * 10 * chunks,) * 2
+    # With activations as well, a peak is at least the larger of the two kinds and at
+    # most their sum (GPipe's is its forward stash, before any weight gradient exists).
+    saved = CostModel(forward_s=ones, backward_s=ones, saved_bytes=[[100] * g])
+    both = dataclasses.replace(saved, wgrad_bytes=[[10] * g])
+    plain_peaks = simulate(sched, saved).peak_activation_bytes
+    both_peaks = simulate(sched, both).peak_activation_bytes
+    for b, p in zip(both_peaks, plain_peaks, strict=True):
+        assert max(p, 40 * chunks) <= b <= p + 40 * chunks
+    assert CostModel.from_json(both.to_json()) == both
 
 
 def test_gantt_writes_png(tmp_path: Path) -> None:

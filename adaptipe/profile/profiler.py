@@ -124,8 +124,9 @@ def _time_deferred(
     warmup: int,
     repeats: int,
     device: torch.device,
-) -> tuple[float, float]:
-    """(backward with Linear weight gradients deferred, their flush for ``microbatches``)."""
+) -> tuple[float, float, int]:
+    """(backward with Linear weight gradients deferred, their flush for ``microbatches``,
+    the bytes one micro-batch keeps for them until the flush)."""
     # Imported here: the runtime package pulls in much more than profiling needs.
     from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 
@@ -135,6 +136,7 @@ def _time_deferred(
         recorder.clear()
         out = run()
         torch.autograd.backward(out, grad_for(out))  # one micro-batch's (X, dY), to replay
+    kept = sum(_nbytes(x) + _nbytes(dy) for _, _, x, dy in recorder.pairs())
     # Distinct copies per micro-batch: the flush reads as many bytes as the stage's does.
     batch = [
         (w, b, x.clone(), dy.clone())
@@ -155,7 +157,7 @@ def _time_deferred(
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return backward_s, statistics.median(times)
+    return backward_s, statistics.median(times), kept
 
 
 def _make_optimizer(params: list[torch.nn.Parameter], optimizer: str) -> torch.optim.Optimizer:
@@ -296,8 +298,9 @@ def _profile(
 
         fwd_s, bwd_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=dev)
         bwd_input_s = wgrad_s = None
+        wgrad_bytes = None
         if wgrad_microbatches:
-            bwd_input_s, wgrad_s = _time_deferred(
+            bwd_input_s, wgrad_s, wgrad_bytes = _time_deferred(
                 layer,
                 run,
                 grad_for,
@@ -326,6 +329,7 @@ def _profile(
                 update_s=update_s,
                 backward_input_s=bwd_input_s,
                 wgrad_s=wgrad_s,
+                wgrad_bytes=wgrad_bytes,
             )
         )
         with torch.no_grad():

@@ -36,6 +36,9 @@ class LayerProfile:
         wgrad_s: median time to compute those deferred weight gradients for
             `Profile.wgrad_microbatches` micro-batches at once (one GEMM per Linear);
             ``None`` if not measured.
+        wgrad_bytes: bytes one micro-batch keeps from its backward until the step for
+            those weight gradients (each deferred Linear's input and output gradient);
+            ``None`` if not measured.
     """
 
     name: str
@@ -51,6 +54,7 @@ class LayerProfile:
     update_s: float = 0.0
     backward_input_s: float | None = None
     wgrad_s: float | None = None
+    wgrad_bytes: int | None = None
 
     @property
     def compute_s(self) -> float:
@@ -152,6 +156,11 @@ class Profile:
                     update_s=get_float(raw, "update_s", minimum=0.0, default=0.0, **kw),
                     backward_input_s=_optional_seconds(raw, "backward_input_s", **kw),
                     wgrad_s=_optional_seconds(raw, "wgrad_s", **kw),
+                    wgrad_bytes=(
+                        get_int(raw, "wgrad_bytes", minimum=0, **kw)
+                        if raw.get("wgrad_bytes") is not None
+                        else None
+                    ),
                 )
             )
         meta = data.get("meta", {})

@@ -36,7 +36,7 @@ Link = tuple[int, int]
 
 # Per-job tables ([job][vstage]); the first two are required, the rest default.
 _JOB_TIMES = ("forward_s", "backward_s", "recompute_s", "update_s", "switch_s")
-_JOB_BYTES = ("activation_bytes", "gradient_bytes", "saved_bytes", "input_bytes")
+_JOB_BYTES = ("activation_bytes", "gradient_bytes", "saved_bytes", "input_bytes", "wgrad_bytes")
 _STAGE_BYTES = ("param_bytes", "optimizer_bytes")
 
 
@@ -84,6 +84,8 @@ class CostModel:
         activation_bytes: bytes of g's output (sent forward). gradient_bytes: bytes of the
             gradient w.r.t. g's input (sent backward). saved_bytes: activations g keeps per
             in-flight micro-batch. input_bytes: what g keeps instead under recompute.
+            wgrad_bytes: what a micro-batch's backward through g keeps until the job's
+            optimizer step (batched weight gradients; empty: zero).
         param_bytes, optimizer_bytes: per virtual stage (shared shape across jobs).
         bandwidth_Bps, latency_s: default for every directed link (inf and 0: free).
         links: per directed link ``(src, dst) -> (bandwidth_Bps, latency_s)`` overrides.
@@ -100,6 +102,7 @@ class CostModel:
     gradient_bytes: Table = ()
     saved_bytes: Table = ()
     input_bytes: Table = ()
+    wgrad_bytes: Table = ()
     param_bytes: Row = ()
     optimizer_bytes: Row = ()
     bandwidth_Bps: float = math.inf
@@ -257,8 +260,9 @@ class CostModel:
         profile's ``input_bytes`` for stage 0).
 
         With ``batch_weight_grads`` (the run's ``[pipeline].batch_weight_grads``), a
-        micro-batch's backward costs the profile's ``backward_input_s`` and the step
-        also computes the deferred weight gradients, ``wgrad_s`` per layer. That was
+        micro-batch's backward costs the profile's ``backward_input_s`` and keeps
+        ``wgrad_bytes`` until the step, which also computes the deferred weight
+        gradients, ``wgrad_s`` per layer. That was
         measured for ``profile.wgrad_microbatches`` micro-batches; for ``microbatches``
         others it is scaled in proportion (one GEMM, linear in its rows).
         """
@@ -277,7 +281,7 @@ class CostModel:
                 raise PlanError(f"cost model: microbatches must be >= 1 (got {microbatches})")
             wgrad_scale = (microbatches or profile.wgrad_microbatches) / profile.wgrad_microbatches
         rows: dict[str, list[float]] = {
-            k: [] for k in ("f", "b", "u", "act", "grad", "saved", "inp", "par", "opt")
+            k: [] for k in ("f", "b", "u", "act", "grad", "saved", "inp", "wg", "par", "opt")
         }
         for g in range(partition.num_stages):
             layers = [profile.layers[i] for i in partition.layers(g)]
@@ -287,9 +291,11 @@ class CostModel:
                 rows["b"].append(sum(x.backward_input_s or 0.0 for x in layers))
                 wgrad = sum(x.wgrad_s or 0.0 for x in layers)
                 rows["u"].append(sum(x.update_s for x in layers) + wgrad * wgrad_scale)
+                rows["wg"].append(sum(x.wgrad_bytes or 0 for x in layers))
             else:
                 rows["b"].append(sum(x.backward_s for x in layers))
                 rows["u"].append(sum(x.update_s for x in layers))
+                rows["wg"].append(0)
             rows["act"].append(layers[-1].activation_bytes)
             rows["grad"].append(layers[0].gradient_bytes)
             rows["saved"].append(sum(x.saved_bytes for x in layers))
@@ -306,6 +312,7 @@ class CostModel:
             gradient_bytes=[rows["grad"]],
             saved_bytes=[rows["saved"]],
             input_bytes=[rows["inp"]],
+            wgrad_bytes=[rows["wg"]],
             param_bytes=rows["par"],
             optimizer_bytes=rows["opt"],
             bandwidth_Bps=bandwidth_Bps,

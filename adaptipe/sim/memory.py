@@ -23,6 +23,8 @@ __all__ = ["activation_peaks", "job_index", "memory_events", "weight_peaks"]
 
 IntArray = npt.NDArray[np.int64]
 
+_WGRAD = 2  # stash table of batched weight gradients (0: saved, 1: input under recompute)
+
 
 def job_index(jobs: IntArray, costs: CostModel) -> IntArray:
     """Row of the cost tables for each job (a one-job model is shared by all jobs)."""
@@ -34,7 +36,9 @@ def memory_events(schedule: Schedule) -> tuple[list[list[int]], IntArray]:
     order, and per ``(worker, chunk, job)`` the most extra weight versions kept live.
 
     A forward stashes ``saved`` (``input`` under recompute), a recompute stashes
-    ``saved``, a backward frees what its micro-batch holds. Live weight versions of a
+    ``saved``, a backward frees what its micro-batch holds and stashes ``wgrad`` (what
+    batched weight gradients keep; zero without them) until the job's next optimizer
+    step on that worker frees it. Live weight versions of a
     chunk: the newest (one per `OptimizerStep` taken) plus each version an in-flight
     micro-batch uses (PipeDream stashing; at most two under 2BW).
     """
@@ -47,14 +51,19 @@ def memory_events(schedule: Schedule) -> tuple[list[list[int]], IntArray]:
             (c, j): {} for c in range(V) for j in range(J)
         }
         steps = [0] * J
+        wgrad: list[list[int]] = [[] for _ in range(J)]  # per job: vstages with a stash
         for ins in stage:
             if isinstance(ins, OptimizerStep):
                 steps[ins.job] += 1
+                events += [[s, -1, _WGRAD, ins.job, g] for g in wgrad[ins.job]]
+                wgrad[ins.job] = []
             elif isinstance(ins, Forward | Backward | Recompute):
                 key, g = (ins.job, ins.microbatch, ins.chunk), schedule.vstage(s, ins.chunk)
                 if isinstance(ins, Backward):
                     events += [[s, -1, table, ins.job, g] for table in held.pop(key, [])]
                     inflight[(ins.chunk, ins.job)].pop(ins.microbatch, None)
+                    events.append([s, 1, _WGRAD, ins.job, g])
+                    wgrad[ins.job].append(g)
                 else:
                     table = 1 if isinstance(ins, Forward) and schedule.recompute else 0
                     held.setdefault(key, []).append(table)
@@ -73,7 +82,9 @@ def memory_events(schedule: Schedule) -> tuple[list[list[int]], IntArray]:
 
 def activation_peaks(c: CompiledSchedule, costs: CostModel) -> tuple[int, ...]:
     """Most stashed activation bytes per worker (running sum of stash/free events)."""
-    tables = np.stack([costs.array("saved_bytes"), costs.array("input_bytes")])
+    tables = np.stack(
+        [costs.array("saved_bytes"), costs.array("input_bytes"), costs.array("wgrad_bytes")]
+    )
     _, sign, table, job, g = c.mem
     vals = sign * tables[table, job_index(job, costs), g]
     lo, hi = c.mem_start[:-1], c.mem_start[1:]
