@@ -4,61 +4,35 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from adaptipe.cli import main
 from adaptipe.errors import PlanError
+from adaptipe.runtime import train
+from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.trace import TraceRecorder, read_trace, summarise
 from adaptipe.schedule.build import build_schedule
 from adaptipe.sim import CostModel, simulate
 from adaptipe.sim.result import Event
 
-CONFIG = """
-[model]
-name = "mlp"
-[model.config]
-in_features = 8
-hidden = 16
-depth = 4
-out_features = 4
-num_samples = 128
-[data]
-batch_size = 16
-microbatches = 4
-[optimizer]
-name = "sgd"
-lr = 0.05
-[pipeline]
-stages = 2
-schedule = "1f1b"
-[train]
-iterations = 4
-threads_per_stage = 1
-trace_start = {start}
-trace_iterations = {count}
-"""
+MakeConfig = Callable[..., RunConfig]
 
 
-def _train(tmp_path: Path, *, start: int, count: int) -> Path:
-    config = tmp_path / "traced.toml"
-    config.write_text(CONFIG.format(start=start, count=count))
-    run = tmp_path / "run"
-    assert main(["train", str(config), "--run-dir", str(run), "--json"]) == 0
-    return run
+def _traced(make_config: MakeConfig, *, start: int, count: int) -> Path:
+    """Train the shared tiny MLP (1F1B, 2 stages, 4 micro-batches) for 4 iterations."""
+    config = make_config(train={"iterations": 4, "trace_start": start, "trace_iterations": count})
+    return Path(train(config).run_dir)
 
 
 def _by(events: list[Event], stage: int, kind: str) -> list[Event]:
     return [e for e in events if e.worker == stage and e.kind == kind]
 
 
-def test_traced_run_records_every_instruction_in_causal_order(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    run = _train(tmp_path, start=1, count=2)
-    capsys.readouterr()
-    events, span = read_trace(run / "trace")
+def test_traced_run_records_every_instruction_in_causal_order(make_config: MakeConfig) -> None:
+    events, span = read_trace(_traced(make_config, start=1, count=2) / "trace")
     assert span == (1, 3)
     for stage in (0, 1):
         # Two iterations of 4 micro-batches, one step each; on a worker boxes never overlap.
@@ -78,9 +52,9 @@ def test_traced_run_records_every_instruction_in_causal_order(
 
 
 def test_trace_command_prints_stage_times_and_draws_the_timeline(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    make_config: MakeConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = _train(tmp_path, start=0, count=1)
+    run = _traced(make_config, start=0, count=1)
     capsys.readouterr()
     png = tmp_path / "timeline.png"
     assert main(["trace", str(run), "--png", str(png), "--json"]) == 0
@@ -95,12 +69,8 @@ def test_trace_command_prints_stage_times_and_draws_the_timeline(
     assert "stage 1: busy" in capsys.readouterr().out
 
 
-def test_a_run_that_ends_inside_the_window_writes_what_it_traced(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    run = _train(tmp_path, start=3, count=5)
-    capsys.readouterr()
-    events, span = read_trace(run / "trace")
+def test_a_run_that_ends_inside_the_window_writes_what_it_traced(make_config: MakeConfig) -> None:
+    events, span = read_trace(_traced(make_config, start=3, count=5) / "trace")
     assert span == (3, 4)
     assert len(_by(events, 0, "step")) == 1
 
@@ -132,10 +102,6 @@ def test_read_trace_refuses_missing_or_mismatched_traces(tmp_path: Path) -> None
         read_trace(tmp_path)
 
 
-def test_negative_trace_settings_are_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = tmp_path / "bad.toml"
-    config.write_text(CONFIG.format(start=0, count=-1))
-    assert main(["train", str(config), "--run-dir", str(tmp_path / "run")]) == 2
-    assert "[train].trace_iterations must be >= 0 (got -1)" in capsys.readouterr().err
+def test_negative_trace_settings_are_refused(make_config: MakeConfig) -> None:
+    with pytest.raises(PlanError, match=r"\[train\].trace_iterations must be >= 0 \(got -1\)"):
+        make_config(train={"trace_iterations": -1})

@@ -247,6 +247,16 @@ class StageExecutor:
             return elapsed * self.slowdown
         return elapsed
 
+    def _done(
+        self, kind: str, job: int, mb: int, chunk: int, t0: float, elapsed: float | None = None
+    ) -> float:
+        """Close a compute instruction begun at ``t0``: stretch it by the injected
+        slowdown, trace it when tracing, and return the compute seconds it counts for."""
+        spent = self._slow(time.perf_counter() - t0 if elapsed is None else elapsed)
+        if self.trace is not None:
+            self.trace.add(kind, job, mb, chunk, t0, time.perf_counter())
+        return spent
+
     def _split_backward(self, layers: Sequence[int], seconds: float) -> None:
         fwd = [self._layer_fwd.get(i, 0.0) for i in layers]
         total = sum(fwd)
@@ -283,7 +293,6 @@ class StageExecutor:
         recompute = self.schedule.recompute
         last_vstage = self.num_vstages - 1
         compute = 0.0
-        trace = self.trace
 
         self._wgrad.clear()
         with self._deferring():
@@ -336,9 +345,7 @@ class StageExecutor:
                             inp=x, out=None if recompute else out, version=base + v
                         )
                         stats.max_in_flight = max(stats.max_in_flight, len(stash))
-                        compute += self._slow(time.perf_counter() - t0)
-                        if trace is not None:
-                            trace.add("forward", j, m, c, t0, time.perf_counter())
+                        compute += self._done("forward", j, m, c, t0)
                     case Recompute(job=j, microbatch=m, chunk=c):
                         if self.memory is not None:
                             self.memory.before_block(j)
@@ -353,9 +360,7 @@ class StageExecutor:
                                 assert target is not None
                                 out = self.loss_fn(out, target) * self.loss_scale
                         st.out = out
-                        compute += self._slow(time.perf_counter() - t0)
-                        if trace is not None:
-                            trace.add("recompute", j, m, c, t0, time.perf_counter())
+                        compute += self._done("recompute", j, m, c, t0)
                     case Backward(job=j, microbatch=m, chunk=c):
                         if self.memory is not None:
                             self.memory.before_block(j)
@@ -376,15 +381,11 @@ class StageExecutor:
                             self._move_grads(c, self._snapshots[st.version][c])
                         elapsed = time.perf_counter() - t0
                         self._split_backward(self.chunk_layers[c], elapsed)
-                        compute += self._slow(elapsed)
-                        if trace is not None:
-                            trace.add("backward", j, m, c, t0, time.perf_counter())
+                        compute += self._done("backward", j, m, c, t0, elapsed)
                     case OptimizerStep(job=j) if self.binder is not None:
                         t0 = time.perf_counter()
                         self.binder.step(j)
-                        compute += self._slow(time.perf_counter() - t0)
-                        if trace is not None:
-                            trace.add("step", j, -1, -1, t0, time.perf_counter())
+                        compute += self._done("step", j, -1, -1, t0)
                         if self.memory is not None:
                             self.memory.after_step(j)
                     case OptimizerStep():
@@ -392,9 +393,7 @@ class StageExecutor:
                         if self.batch_weight_grads:
                             self._flush_weight_grads()
                         self._step(pos, base)
-                        compute += self._slow(time.perf_counter() - t0)
-                        if trace is not None:
-                            trace.add("step", ins.job, -1, -1, t0, time.perf_counter())
+                        compute += self._done("step", ins.job, -1, -1, t0)
         if len(self._wgrad):
             raise RuntimeError(
                 f"stage {self.stage}: {len(self._wgrad)} deferred weight gradients were never "
