@@ -382,8 +382,10 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- trace
 def _cmd_trace(args: argparse.Namespace) -> int:
     from adaptipe.runtime.rundir import RunDir
-    from adaptipe.runtime.trace import read_trace, summarise
+    from adaptipe.runtime.trace import compare, read_trace, summarise
 
+    if args.sim_png and not args.profile:
+        raise PlanError("--sim-png needs --profile (the profile to simulate the run with)")
     run = RunDir(args.run_dir)
     events, (first, end) = read_trace(run.trace)
     iterations = end - first
@@ -398,8 +400,31 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             workers=workers,
             title=f"{run.root.name}: iterations {first}-{end - 1} as run (gaps: waiting)",
         )
+    found = None
+    if args.profile:
+        from adaptipe.profile import Profile
+        from adaptipe.serial import load_json_file
+
+        found = compare(
+            run,
+            load_json_file(args.profile, Profile.from_json),
+            latency_s=args.latency,
+            bandwidth_Bps=parse_bandwidth(args.bandwidth),
+        )
+        if args.sim_png:
+            from adaptipe.sim import plot_gantt
+
+            plot_gantt(found.simulation, args.sim_png, title=f"{run.root.name}: simulated")
     if args.json:
-        print(json.dumps({"iterations": [first, end], "stages": summary}))
+        out: dict[str, Any] = {"iterations": [first, end], "stages": summary}
+        if found is not None:
+            out["simulated"] = {
+                "measured_s": found.measured_s,
+                "predicted_s": found.predicted_s,
+                "error": found.error,
+                "stages": found.simulated,
+            }
+        print(json.dumps(out))
         return 0
     print(f"{run.root}: iterations {first}-{end - 1}, per iteration:")
     for stage, row in summary.items():
@@ -410,8 +435,19 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             f"  stage {stage}: busy {row['busy_s'] * 1e3:.1f} ms, idle "
             f"{row['idle_s'] * 1e3:.1f} ms ({kinds})"
         )
-    if args.png:
-        print(f"wrote {args.png}")
+        if found is not None:
+            sim = found.simulated[stage]
+            print(
+                f"    simulated: busy {sim['busy_s'] * 1e3:.1f} ms, idle {sim['idle_s'] * 1e3:.1f} ms"
+            )
+    if found is not None:
+        print(
+            f"iteration: measured {found.measured_s * 1e3:.1f} ms, simulated "
+            f"{found.predicted_s * 1e3:.1f} ms ({found.error:+.1%})"
+        )
+    for path in (args.png, args.sim_png):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
@@ -582,6 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--png", help="write the timeline as a Gantt chart PNG here")
     p.add_argument("--json", action="store_true", help="print the per-stage summary as JSON")
+    p.add_argument(
+        "--profile", help="also simulate the run's schedule and partition with this Profile JSON"
+    )
+    p.add_argument("--bandwidth", default="inf", help="link bandwidth for that (e.g. 2GB/s)")
+    p.add_argument("--latency", type=float, default=0.0, help="link latency in seconds for that")
+    p.add_argument("--sim-png", help="with --profile: write the simulated Gantt chart here")
     p.set_defaults(func=_cmd_trace)
 
     p = sub.add_parser(

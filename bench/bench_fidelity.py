@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import tempfile
 import time
@@ -46,9 +45,8 @@ from adaptipe.profile.link import probe_link
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.trace import read_trace, summarise
-from adaptipe.schedule.build import build_schedule
-from adaptipe.sim import CostModel, plot_gantt, simulate
+from adaptipe.runtime.trace import compare
+from adaptipe.sim import plot_gantt
 from adaptipe.sim.gantt import plot_timeline
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -132,27 +130,9 @@ def measure(
         wgrad_microbatches=microbatches if batch_wgrad else 0,
     )
     partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=stages)
-    sched = build_schedule(schedule, stages=stages, microbatches=microbatches)
     # The link between two stage processes, measured the way they talk (gloo p2p).
     link = probe_link() if model_links else None
-    latency = link.latency_s if link else 0.0
-    bandwidth = link.bandwidth_Bps if link else math.inf
-    costs = CostModel.from_profile(
-        profile,
-        partition,
-        batch_weight_grads=batch_wgrad,
-        microbatches=microbatches,
-        latency_s=latency,
-        bandwidth_Bps=bandwidth,
-    )
-    predicted = simulate(sched, costs, record=plots is not None)
-    unlinked = simulate(
-        sched,
-        CostModel.from_profile(
-            profile, partition, batch_weight_grads=batch_wgrad, microbatches=microbatches
-        ),
-        record=False,
-    )
+    links = {"latency_s": link.latency_s, "bandwidth_Bps": link.bandwidth_Bps} if link else {}
     with tempfile.TemporaryDirectory(prefix="adaptipe-fidelity-") as tmp:
         config = RunConfig.from_dict(
             {
@@ -178,28 +158,23 @@ def measure(
         summary = train(config)
         run = RunDir(summary.run_dir)
         records = run.read_metrics()[warmup:]
-        events, (first, end) = read_trace(run.trace)
+        # The simulator on the run's own schedule and partition, fed the profile ...
+        found = compare(run, profile, **links)
+        unlinked = compare(run, profile) if link else found
+        per_mb = _per_microbatch(profile, partition, found.real, batch_wgrad)
+        # ... and fed the traced compute times instead: what is left is not compute.
+        replay = compare(run, _replayed(profile, partition, per_mb, batch_wgrad), **links)
     real = statistics.median(r["iteration_s"] for r in records)
     compute_real = [
         statistics.median(r["stages"][s]["compute_s"] for r in records) for s in range(stages)
     ]
-    traced = summarise(events, iterations=end - first)
-    per_mb = _per_microbatch(profile, partition, traced, batch_wgrad)
-    replay_costs = CostModel.from_profile(
-        _replayed(profile, partition, per_mb, batch_wgrad),
-        partition,
-        batch_weight_grads=batch_wgrad,
-        microbatches=microbatches,
-        latency_s=latency,
-        bandwidth_Bps=bandwidth,
-    )
-    replay = simulate(sched, replay_costs, record=False)
-    real_traced = statistics.median(r["iteration_s"] for r in records[: end - first])
+    predicted = found.simulation
+    first, end = found.iterations
     if plots is not None:
         plots.mkdir(parents=True, exist_ok=True)
         plot_gantt(predicted, plots / f"{tag}{schedule}-simulated.png")
         plot_timeline(
-            events,
+            found.timeline,
             plots / f"{tag}{schedule}-traced.png",
             workers=stages,
             title=f"{schedule}: iterations {first}-{end - 1} as run",
@@ -211,16 +186,16 @@ def measure(
         "predicted_s": predicted.makespan,
         "measured_s": real,
         "error": (predicted.makespan - real) / real,
-        "link": {"latency_s": latency, "bandwidth_Bps": bandwidth} if link else None,
-        "error_without_links": (unlinked.makespan - real) / real,
+        "link": links or None,
+        "error_without_links": (unlinked.predicted_s - real) / real,
         "predicted_busy_s": list(predicted.busy_s),
         "measured_compute_s": compute_real,
         "per_microbatch": per_mb,
-        "replay_s": replay.makespan,
-        "replay_error": (replay.makespan - real_traced) / real_traced,
+        "replay_s": replay.predicted_s,
+        "replay_error": replay.error,
         "idle_s": {
-            "predicted": [predicted.makespan - b for b in predicted.busy_s],
-            "traced": [traced[str(s)]["idle_s"] for s in range(stages)],
+            "predicted": [found.simulated[str(s)]["idle_s"] for s in range(stages)],
+            "traced": [found.real[str(s)]["idle_s"] for s in range(stages)],
         },
     }
 

@@ -11,10 +11,13 @@ import pytest
 
 from adaptipe.cli import main
 from adaptipe.errors import PlanError
+from adaptipe.profile import Profile
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
-from adaptipe.runtime.trace import TraceRecorder, read_trace, summarise
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.trace import TraceRecorder, compare, read_trace, summarise
 from adaptipe.schedule.build import build_schedule
+from adaptipe.serial import write_json
 from adaptipe.sim import CostModel, simulate
 from adaptipe.sim.result import Event
 
@@ -105,3 +108,46 @@ def test_read_trace_refuses_missing_or_mismatched_traces(tmp_path: Path) -> None
 def test_negative_trace_settings_are_refused(make_config: MakeConfig) -> None:
     with pytest.raises(PlanError, match=r"\[train\].trace_iterations must be >= 0 \(got -1\)"):
         make_config(train={"trace_iterations": -1})
+
+
+def test_compare_sets_the_simulation_next_to_the_trace(
+    make_config: MakeConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptipe.models import get_model
+    from adaptipe.profile import profile_model
+
+    run = _traced(make_config, start=1, count=2)
+    cfg = RunDir(run).read_config()
+    spec = get_model(cfg.model.name, **cfg.model.config)
+    profile = profile_model(spec, microbatch=4, warmup=0, repeats=2, threads=1)
+    found = compare(RunDir(run), profile)
+    assert found.measured_s > 0 and found.predicted_s > 0
+    assert found.error == pytest.approx((found.predicted_s - found.measured_s) / found.measured_s)
+    assert found.iterations == (1, 3) and len(found.timeline) == 2 * 2 * 9
+    # The same schedule on both sides: per iteration, the same boxes on every stage.
+    for stage in ("0", "1"):
+        real = {k: v["count"] for k, v in found.real[stage]["kinds"].items()}
+        sim = {k: v["count"] for k, v in found.simulated[stage]["kinds"].items()}
+        assert real == sim == {"forward": 4, "backward": 4, "step": 1}
+    prof_path, png = tmp_path / "profile.json", tmp_path / "sim.png"
+    prof_path.write_text(json.dumps(profile.to_json()))
+    capsys.readouterr()
+    argv = ["trace", str(run), "--profile", str(prof_path), "--sim-png", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "simulated: busy" in out and "iteration: measured" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([*argv[:2], "--sim-png", str(png)]) == 2  # --sim-png needs --profile
+
+
+def test_compare_refuses_a_job_array_run(make_config: MakeConfig, tmp_path: Path) -> None:
+    data = make_config(data={"microbatches": 1}).to_dict()
+    data["sweep"] = {"grid": {"lr": [0.05, 0.1]}}
+    run = RunDir(tmp_path / "array")
+    write_json(run.config_json, RunConfig.from_dict(data, source="test.toml").to_dict())
+    rec = TraceRecorder(0)
+    rec.add("forward", 0, 0, 0, 0.0, 1.0)
+    rec.write(run.trace / "stage-0.json", iterations=(0, 1))
+    profile = Profile.uniform(6, forward_s=1.0, backward_s=2.0)
+    with pytest.raises(PlanError, match="job-array run"):
+        compare(run, profile)

@@ -8,23 +8,30 @@ stages on one host line up; `read_trace` merges the stages and starts the clock 
 first event. A gap on a worker's row is time it spent waiting (for a transfer, or for
 its peer). `summarise` compares like for like with a simulated timeline: per worker
 and kind, how many boxes and their total seconds, and the idle time between the
-worker's first and last box.
+worker's first and last box. `compare` sets a traced run next to the simulator's
+prediction from a profile (``adaptipe trace RUN_DIR --profile P.json``).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
 from adaptipe.serial import atomic_write_text, check_kind, get_int, get_list, read_json
-from adaptipe.sim.result import Event
+from adaptipe.sim.result import Event, SimResult
 
-__all__ = ["TRACE_VERSION", "TraceRecorder", "read_trace", "summarise"]
+if TYPE_CHECKING:
+    from adaptipe.profile.types import Profile
+    from adaptipe.runtime.rundir import RunDir
+
+__all__ = ["TRACE_VERSION", "Comparison", "TraceRecorder", "compare", "read_trace", "summarise"]
 
 TRACE_VERSION = 1
 
@@ -130,3 +137,63 @@ def summarise(events: list[Event], *, iterations: int = 1) -> dict[str, Any]:
             "idle_s": max(0.0, (hi - lo) - busy) / iterations,
         }
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """A traced run against the simulator fed a profile: one iteration each."""
+
+    measured_s: float  # median iteration time of the traced iterations (metrics.jsonl)
+    predicted_s: float  # the simulated makespan
+    real: dict[str, Any]  # `summarise` of the trace, per iteration
+    simulated: dict[str, Any]  # `summarise` of the simulated timeline
+    simulation: SimResult
+    timeline: tuple[Event, ...]  # the traced events (`read_trace`)
+    iterations: tuple[int, int]  # the traced iterations, first and one past the last
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured) / measured."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+def compare(
+    run: RunDir,
+    profile: Profile,
+    *,
+    latency_s: float = 0.0,
+    bandwidth_Bps: float = math.inf,
+) -> Comparison:
+    """Simulate ``run``'s own schedule and partition with ``profile`` and set the result
+    next to the run's trace (one job; job-arrays are planned from per-job profiles)."""
+    from adaptipe.sim import CostModel, simulate
+
+    events, (first, end) = read_trace(run.trace)
+    config = run.read_config()
+    if config.sweep is not None:
+        raise PlanError(
+            f"{run.root}: a job-array run; its prediction is the JAPSP makespan in "
+            "japsp-solution.json, not a one-profile simulation"
+        )
+    schedule = run.read_schedule()
+    costs = CostModel.from_profile(
+        profile,
+        run.read_partition(),
+        latency_s=latency_s,
+        bandwidth_Bps=bandwidth_Bps,
+        batch_weight_grads=config.pipeline.batch_weight_grads,
+        microbatches=schedule.num_microbatches,
+    )
+    result = simulate(schedule, costs, record=True)
+    times = [r["iteration_s"] for r in run.read_metrics() if first <= r["iteration"] < end]
+    if not times:
+        raise PlanError(f"{run.root}: metrics.jsonl has no record of iterations {first}-{end - 1}")
+    return Comparison(
+        measured_s=statistics.median(times),
+        predicted_s=result.makespan,
+        real=summarise(events, iterations=end - first),
+        simulated=summarise(list(result.timeline)),
+        simulation=result,
+        timeline=tuple(events),
+        iterations=(first, end),
+    )
