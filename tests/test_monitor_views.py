@@ -14,15 +14,9 @@ import pytest
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.bandwidth import LinkMeter
-from adaptipe.monitor.live import (
-    JsonlTail,
-    MonitorState,
-    add_monitor_parser,
-    load_run,
-    render,
-    render_links,
-)
+from adaptipe.monitor.live import MonitorState, add_monitor_parser, render, render_links
 from adaptipe.monitor.report import add_report_parser, make_report
+from adaptipe.monitor.runlog import JsonlTail, load_run
 from adaptipe.monitor.schema import DeviceSample, Event, LinkSample, StageStats
 
 T0 = 1.7e9

@@ -1,0 +1,105 @@
+"""Events on a run's time line: injections as spans, checkpoints and migrations as points.
+
+:func:`run_marks` pairs each ``injection-start`` event with its ``injection-end`` (same
+origin, injector and stage) and places every mark both in seconds since the run's first
+record and in iterations, using when each iteration ended. The report draws the marks on
+its charts and lists them on its page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from adaptipe.monitor.runlog import RunLog
+from adaptipe.monitor.schema import Event, StageStats
+
+__all__ = ["Mark", "run_marks"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """An event on the run's time line: a span (injection) or a point (``end_s`` None).
+
+    Times are seconds since the run's first record; ``start_it``/``end_it`` are the same
+    moments in iterations (fractional), or None where no stage statistics say when.
+    """
+
+    kind: str
+    label: str
+    start_s: float | None
+    end_s: float | None
+    start_it: float | None
+    end_it: float | None
+    detail: str = ""
+
+    @property
+    def is_span(self) -> bool:
+        return self.end_s is not None or self.end_it is not None
+
+
+class _Clock:
+    """Converts between wall time and iterations using when each iteration ended."""
+
+    def __init__(self, stats: Sequence[StageStats], t0: float) -> None:
+        ends: dict[int, float] = {}
+        for s in stats:  # the latest report wins, so a resumed run's repeats use their retry
+            ends[s.iteration] = max(ends.get(s.iteration, 0.0), s.time_s)
+        pairs = sorted((t - t0, it) for it, t in ends.items())
+        self.times = np.array([p[0] for p in pairs], dtype=float)
+        self.iters = np.array([p[1] for p in pairs], dtype=float)
+
+    def to_iter(self, t: float | None) -> float | None:
+        if t is None or self.times.size < 2:
+            return None
+        # iteration k is drawn at x=k and spans (k-0.5, k+0.5); it ends at times[k]
+        return float(np.interp(t, self.times, self.iters)) + 0.5
+
+    def to_time(self, it: float | None) -> float | None:
+        if it is None or self.times.size < 2:
+            return None
+        order = np.argsort(self.iters)
+        return float(np.interp(it - 0.5, self.iters[order], self.times[order]))
+
+
+def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float) -> list[Mark]:
+    """Injection start/end pairs become spans (matched by origin, injector and stage).
+
+    ``t0`` is the run's first record's time and ``t_end`` its last one's, in seconds
+    since ``t0``; ``stats`` say when each iteration ended.
+    """
+    clock = _Clock(stats, t0)
+    marks: list[Mark] = []
+    open_spans: dict[tuple[Any, ...], Event] = {}
+
+    def detail(e: Event) -> str:
+        where = "" if e.stage is None else f"stage {e.stage} "
+        return where + " ".join(f"{k}={v}" for k, v in e.detail.items())
+
+    def span(start: Event, end_s: float, note: str = "") -> Mark:
+        s0 = start.time_s - t0
+        label = f"{start.detail.get('injector', 'injection')} injection"
+        its = clock.to_iter(s0), clock.to_iter(end_s)
+        return Mark("injection", label, s0, end_s, *its, detail(start) + note)
+
+    for e in sorted((r for r in log.records if isinstance(r, Event)), key=lambda e: e.time_s):
+        key = (e.detail.get("origin"), e.detail.get("injector"), e.stage)
+        if e.kind == "injection-start":
+            open_spans[key] = e
+        elif e.kind == "injection-end" and key in open_spans:
+            marks.append(span(open_spans.pop(key), e.time_s - t0))
+        else:
+            s = e.time_s - t0
+            marks.append(Mark(e.kind, e.kind, s, None, clock.to_iter(s), None, detail(e)))
+    marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
+    if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
+        for path in sorted((log.root / "checkpoints").glob("iter-*")):
+            if (n := path.name.removeprefix("iter-")).isdigit():
+                x = int(n) - 0.5  # iter-N holds the state after N iterations
+                marks.append(
+                    Mark("checkpoint", "checkpoint", clock.to_time(x), None, x, None, path.name)
+                )
+    return sorted(marks, key=lambda m: (m.start_it or 0.0, m.start_s or 0.0))
