@@ -2,16 +2,23 @@
 
 ``bb``: per size of ``--bb-sizes`` (jobs x stages) and ``--instances`` generated
 instances, how many branch-and-bound proves optimal within ``--bb-time`` seconds, how
-many in under 1 s, its seconds (all runs, and the proved ones), nodes and the gap left
-where it stopped.
+many in under 1 s (wall clock), its seconds (all runs, and the proved ones), its CPU
+seconds, nodes and the gap left where it stopped.
 
 ``table``: per size of ``--sizes``, the GA's makespan against the optimum (when B&B or
 CP-SAT proved one), the lower bound and CP-SAT's best after ``--cpsat-time`` seconds (on
 the first ``--cpsat-instances`` instances, when OR-Tools is installed), its seconds, and
 the baselines' makespans relative to the GA's.
 
+Instances are generated the paper's way (§V-A): each job's batch size is one of a few
+(``--profiles``) values, and jobs of one batch size share one per-stage profile, so they
+are identical (``--jitter 0``, the default). ``--jitter 0.02`` perturbs every block time
+by up to 2%, so jobs of one profile are only nearly identical and the B&B cannot treat
+them as interchangeable; the JSON records the jitter and says which of the two it was.
+
     python bench/bench_japsp.py [--instances 10] [--cpsat-time 30] [--cpsat-instances 2]
                                 [--bb-time 5] [--bb-sizes 4x4,6x4] [--costs] [--sizes 6x4,30x10]
+                                [--jitter 0.0] [--profiles 3] [--seed0 0]
 """
 
 from __future__ import annotations
@@ -43,21 +50,39 @@ def _stats(values: list[float], digits: int = 4) -> dict[str, float] | None:
     }
 
 
+def _seeds(args: argparse.Namespace) -> range:
+    return range(args.seed0, args.seed0 + args.instances)
+
+
 def _instance(name: str, seed: int, args: argparse.Namespace) -> JapspInstance:
     jobs, stages = (int(v) for v in name.split("x"))
     comm, switch, update = (0.1, 0.05, 0.1) if args.costs else (0.0, 0.0, 0.0)
-    return generate(jobs, stages, seed=seed, comm=comm, switch=switch, update=update)
+    return generate(
+        jobs,
+        stages,
+        seed=seed,
+        profiles=args.profiles,
+        jitter=args.jitter,
+        comm=comm,
+        switch=switch,
+        update=update,
+    )
 
 
-def _bnb(name: str, seed: int, args: argparse.Namespace, cache: dict[Any, Result]) -> Result:
-    """B&B on one instance, run once per (size, seed) for both tables."""
+def _bnb(name: str, seed: int, args: argparse.Namespace, cache: dict[Any, Any]) -> Result:
+    """B&B on one instance, run once per (size, seed) for both tables; its CPU seconds go
+    to ``cache["cpu", name, seed]`` (on a busy machine the wall clock runs ahead of it)."""
     if (name, seed) not in cache:
-        cache[name, seed] = solve_bnb(_instance(name, seed, args), time_limit_s=args.bb_time)
-    return cache[name, seed]
+        inst = _instance(name, seed, args)
+        cpu = time.process_time()
+        cache[name, seed] = solve_bnb(inst, time_limit_s=args.bb_time)
+        cache["cpu", name, seed] = time.process_time() - cpu
+    result: Result = cache[name, seed]
+    return result
 
 
-def _bb_size(name: str, args: argparse.Namespace, cache: dict[Any, Result]) -> dict[str, Any]:
-    runs = [_bnb(name, seed, args, cache) for seed in range(args.instances)]
+def _bb_size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict[str, Any]:
+    runs = [_bnb(name, seed, args, cache) for seed in _seeds(args)]
     proved = [r for r in runs if r.optimal]
     return {
         "size": name,
@@ -66,16 +91,17 @@ def _bb_size(name: str, args: argparse.Namespace, cache: dict[Any, Result]) -> d
         "proved": len(proved),
         "proved_under_1s": sum(r.seconds < 1.0 for r in proved),
         "seconds": _stats([r.seconds for r in runs], 3),
+        "cpu_seconds": _stats([cache["cpu", name, seed] for seed in _seeds(args)], 3),
         "proof_seconds": _stats([r.seconds for r in proved], 3),
         "nodes": _stats([float(r.nodes) for r in runs], 0),
         "gap_left": _stats([r.gap for r in runs if not r.optimal]),
     }
 
 
-def _size(name: str, args: argparse.Namespace, cache: dict[Any, Result]) -> dict[str, Any]:
+def _size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict[str, Any]:
     ga_time = GA_TIME.get(name, 1.0)
     rows: list[dict[str, Any]] = []
-    for seed in range(args.instances):
+    for seed in _seeds(args):
         inst = _instance(name, seed, args)
         row: dict[str, Any] = {"seed": seed, "lower_bound": lower_bound(inst)}
         ga = solve_ga(inst, seed=0, time_limit_s=ga_time)
@@ -87,7 +113,7 @@ def _size(name: str, args: argparse.Namespace, cache: dict[Any, Result]) -> dict
             best = min(best, bb.makespan)
             if bb.optimal:
                 row["optimum"] = bb.makespan
-        if args.cpsat_time > 0 and seed < args.cpsat_instances and cpsat_available():
+        if args.cpsat_time > 0 and seed < args.seed0 + args.cpsat_instances and cpsat_available():
             cp = solve(inst, solver="cpsat", time_limit_s=args.cpsat_time, seed=0)
             row.update(cpsat=cp.makespan, cpsat_optimal=cp.optimal, cpsat_s=cp.seconds)
             best = min(best, cp.makespan)
@@ -125,6 +151,15 @@ def _size(name: str, args: argparse.Namespace, cache: dict[Any, Result]) -> dict
     return out
 
 
+def _identical(args: argparse.Namespace) -> str:
+    if args.jitter > 0:
+        return (
+            f"nearly: each block time is its profile's times (1 +- {args.jitter}), so jobs "
+            "of one batch size differ slightly and are not interchangeable"
+        )
+    return "yes: jobs of one batch size have identical block times (the paper's workload)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=10)
@@ -134,9 +169,17 @@ def main() -> None:
     parser.add_argument("--bb-sizes", default=",".join(BB_SIZES), help="'' skips B&B")
     parser.add_argument("--costs", action="store_true", help="add comm, switch and update costs")
     parser.add_argument("--sizes", default=",".join(SIZES), help="'' skips the GA table")
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="per-block perturbation of the profiles (0: jobs of one batch size are identical)",
+    )
+    parser.add_argument("--profiles", type=int, default=3, help="batch sizes per array")
+    parser.add_argument("--seed0", type=int, default=0, help="first instance seed")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    cache: dict[Any, Result] = {}
+    cache: dict[Any, Any] = {}
     bb = [_bb_size(name, args, cache) for name in args.bb_sizes.split(",") if name]
     table = [_size(name, args, cache) for name in args.sizes.split(",") if name]
     print(
@@ -145,6 +188,10 @@ def main() -> None:
                 "benchmark": "japsp",
                 "cpsat_available": cpsat_available(),
                 "costs": args.costs,
+                "profiles": args.profiles,
+                "jitter": args.jitter,
+                "identical_jobs": _identical(args),
+                "seeds": [args.seed0, args.seed0 + args.instances - 1],
                 "bb": bb,
                 "table": table,
                 "wall_s": round(time.perf_counter() - t0, 1),

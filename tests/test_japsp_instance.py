@@ -135,6 +135,25 @@ def test_generator_draws_jobs_from_a_few_profiles() -> None:
         assert all(abs(x - y) <= 0.03 * x + 1 for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_generator_without_jitter_makes_jobs_of_one_batch_size_identical(seed: int) -> None:
+    inst = generate(12, 4, seed=seed, jitter=0.0, comm=0.1, switch=0.05)
+    by_size: dict[str, set[tuple[Any, ...]]] = {}
+    for j, name in enumerate(inst.names):
+        costs = (inst.forward[j], inst.backward[j], inst.comm[j], inst.switch[j])
+        by_size.setdefault(name.split("-")[1], set()).add(costs)
+    assert all(len(costs) == 1 for costs in by_size.values())  # the paper's workload
+
+
+def test_generator_jitter_keeps_the_batch_sizes_and_perturbs_each_job() -> None:
+    plain = generate(12, 4, seed=7, jitter=0.0)
+    jittered = generate(12, 4, seed=7, jitter=0.02)
+    assert plain.names == jittered.names  # the same profiles whatever the jitter
+    assert len(set(jittered.forward)) > len(set(plain.forward))  # only nearly identical
+    for a, b in zip(plain.backward, jittered.backward, strict=True):
+        assert all(abs(x - y) <= 0.05 * x + 1 for x, y in zip(a, b, strict=True))
+
+
 def test_generator_optional_costs_are_fractions_of_forward() -> None:
     inst = generate(5, 3, seed=0, comm=0.1, switch=0.05, update=0.2, recompute=0.5)
     for j in range(5):

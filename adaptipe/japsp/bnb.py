@@ -17,121 +17,62 @@ them depth first, which makes it exact:
   job it served last and for the others; the makespan so far). Orders that complete a
   state complete one that is nowhere later at least as early, so a state no earlier
   anywhere than one already visited with the same blocks done is skipped.
-- *Bounding*, against the target ``incumbent - 1`` (integer data) or ``incumbent``:
-  heads from the state, tails from the chains; on every stage, pairs of blocks that
-  cannot run in one order without missing the target are fixed in the other
-  (immediate selection) and edge finding (`adaptipe.japsp.bounds.edge_find`) raises
-  heads and tails, pushed along the chains to a fixed point. Then every stage's Jackson
-  preemptive schedule (Alg. 1 line 14's ``1|r_j|L_max``) and the pipeline *drains*
-  (`adaptipe.japsp.bounds.drain_fits`: jobs leave a stage one after another and queue
-  through the backward blocks of two lower stages), which see what one stage alone
-  cannot: the last jobs through the pipeline still have to cross it.
+- *Bounding*: `adaptipe.japsp.partial.PartialSchedule.bound` (heads and tails tightened
+  against the incumbent, Jackson per stage, the pipeline drains).
 - *Symmetry*: jobs with identical costs are interchangeable, so they enter the pipeline
-  in index order.
+  in index order, and without switches keep that order on every stage
+  (`adaptipe.japsp.partial.twin_arcs`).
+- *Both directions*: where the instance has a mirror image (`adaptipe.japsp.mirror`:
+  the same optimum with time running backwards) a second search runs on it, in turns
+  with the first and sharing the incumbent; the first to finish proves the optimum.
+  Which end of a pipeline schedule is hard to bound varies by instance (the drain of
+  long backward blocks, the fill of short forward ones), and a search bounds the end it
+  decides last.
 - *Upper bound*: the GA (or a given schedule); children are explored best bound first.
-  ``optimal`` is True only when the search finished; at the time limit the bound reported
-  is the larger of the root bound (the bounds above, bisected) and the least bound of
-  the unexplored nodes.
+  ``optimal`` is True only when a search finished or the incumbent met the root bound;
+  at the time limit the bound reported is the larger of the root bound (the bounds
+  above, bisected) and the least bound of the unexplored nodes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Generator
 
-from adaptipe.japsp.bounds import (
-    drain_fits,
-    edge_find,
-    integral,
-    jackson,
-    johnson_key,
-    lower_bound,
-    round_bound,
-)
+from adaptipe.japsp.bounds import lower_bound
 from adaptipe.japsp.evaluate import OpTable, Orders, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
+from adaptipe.japsp.mirror import mirror, mirror_orders
+from adaptipe.japsp.partial import PartialSchedule, twin_ordered
 from adaptipe.japsp.solve import Result
 
 __all__ = ["solve_bnb"]
 
 _EPS = 1e-9
 _INF = float("inf")
-Undo = tuple[float, int, float, float]
+# turns of the mirrored search per turn of the forward one, in nodes: on generated arrays
+# the mirrored search needs fewer nodes more often than not
+_TURNS = (8, 64)
 
 
 class _Timeout(Exception):
     pass
 
 
-class _Search:
-    """Mutable search state; `run` is the depth-first recursion with undo."""
+class _Search(PartialSchedule):
+    """One depth-first search; `run` yields before each node so two can take turns."""
 
     def __init__(self, tab: OpTable, ub: float, seqs: list[list[int]], deadline: float) -> None:
-        self.tab = tab
-        k2 = self.k2 = 2 * tab.stages
-        self.ub = ub
+        super().__init__(tab, ub, deadline)
         self.best = [list(s) for s in seqs]
-        self.deadline = deadline
-        self.integral = integral(tab)
-        self.step = 1.0 if self.integral else _EPS
+        self.found = ub  # the makespan of `best` (`ub` may come from the other search)
         self.nodes = 0
         self.open_bounds: list[float] = []
-        # a job's last block on a stage is followed by its switch (or nothing): fold it in
-        self.dext = [
-            tab.dur[o] + (tab.sw[o] if o % k2 >= tab.stages else 0.0) for o in range(tab.n)
-        ]
-        self.qtail = [tab.tail[o] - tab.dur[o] for o in range(tab.n)]
-        self.twin = _twins(tab)
-        self.any_sw = any(tab.sw)
-        self.nxt = [j * k2 for j in range(tab.jobs)]
-        self.rdy = [0.0] * tab.jobs
-        self.last = [-1] * tab.stages
-        self.mend = [0.0] * tab.stages
-        self.seqs: list[list[int]] = [[] for _ in range(tab.stages)]
-        self.makespan = 0.0
-        self.head = [0.0] * tab.n
         self.memo: dict[tuple[int, ...], list[tuple[tuple[float, ...], tuple[int, ...]]]] = {}
-        # drains (upstream stage m, downstream stage a) and how often each one pruned
-        self.drains = [(m, a) for m in range(tab.stages - 1, 0, -1) for a in range(m)]
-        self.drain_stats = [[0, 0] for _ in self.drains]
 
-    # -- state -------------------------------------------------------------------------
-
-    def _ready(self) -> list[tuple[float, int]]:
-        """``(earliest start, block)`` of each job's next block."""
-        tab, k2 = self.tab, self.k2
-        machine, sw = tab.machine, tab.sw
-        nxt, last, mend, rdy = self.nxt, self.last, self.mend, self.rdy
-        out = []
-        for j in range(tab.jobs):
-            o = nxt[j]
-            if o == (j + 1) * k2:
-                continue
-            m = machine[o]
-            lo = last[m]
-            a = mend[m] + sw[lo] if lo >= 0 and lo // k2 != j else mend[m]
-            r = rdy[j]
-            out.append((a if a > r else r, o))
-        return out
-
-    def _push(self, o: int, es: float) -> Undo:
-        m, j = self.tab.machine[o], o // self.k2
-        undo = (self.rdy[j], self.last[m], self.mend[m], self.makespan)
-        end = es + self.tab.dur[o]
-        self.rdy[j] = es + self.tab.lag[o]
-        self.last[m] = o
-        self.mend[m] = end
-        self.nxt[j] = o + 1
-        self.seqs[m].append(o)
-        if end > self.makespan:
-            self.makespan = end
-        return undo
-
-    def _pop(self, o: int, undo: Undo) -> None:
-        m, j = self.tab.machine[o], o // self.k2
-        self.rdy[j], self.last[m], self.mend[m], self.makespan = undo
-        self.nxt[j] = o
-        self.seqs[m].pop()
+    # -- search ------------------------------------------------------------------------
 
     def _dominated(self) -> bool:
         """Whether a visited state with the same blocks done is nowhere later; records
@@ -148,7 +89,7 @@ class _Search:
         low = [_INF] * tab.stages
         vec: list[float] = []
         mk = self.makespan
-        for e, o in self._ready():
+        for e, o in self.ready():
             vec.append(e)
             if e + tail[o] > mk:
                 mk = e + tail[o]
@@ -193,200 +134,18 @@ class _Search:
         seen.append(entry)
         return False
 
-    # -- bounds ------------------------------------------------------------------------
-
-    def bound(self) -> float:
-        """A bound on any completion better than the incumbent (``inf``: none exists).
-
-        Heads come from the state (chain and stage availability with switch), tails from
-        the chains; `_propagate` tightens both against the target, then every stage's
-        Jackson bound and the drains.
-        """
-        tab, k2 = self.tab, self.k2
-        machine, lag, sw = tab.machine, tab.lag, tab.sw
-        last, mend, head = self.last, self.mend, self.head
-        ops_on: list[list[int]] = [[] for _ in range(tab.stages)]
-        chains: list[tuple[int, int]] = []
-        for j in range(tab.jobs):
-            o = self.nxt[j]
-            end = (j + 1) * k2
-            if o < end:
-                chains.append((o, end))
-            r = self.rdy[j]
-            while o < end:
-                m = machine[o]
-                lo = last[m]
-                a = mend[m] + sw[lo] if lo >= 0 and lo // k2 != j else mend[m]
-                if a > r:
-                    r = a
-                head[o] = r
-                ops_on[m].append(o)
-                r += lag[o]
-                o += 1
-        target = self.ub - self.step
-        tail = list(tab.tail)
-        if not self._propagate(ops_on, chains, tail, target):
-            return _INF
-        dext = self.dext
-        lb = self.makespan
-        for ops in ops_on:
-            if ops:
-                v = jackson([(head[o], dext[o], tail[o] - dext[o]) for o in ops])
-                if v > lb:
-                    lb = v
-        lb = round_bound(lb, self.integral)
-        if lb <= target and not self._drains_fit(target):
-            return _INF
-        return lb
-
-    def _propagate(
-        self,
-        ops_on: list[list[int]],
-        chains: list[tuple[int, int]],
-        tail: list[float],
-        target: float,
-    ) -> bool:
-        """Immediate selection and edge finding per stage, heads and tails pushed along
-        the chains, until nothing changes; False if some stage cannot meet ``target``."""
-        tab, k2 = self.tab, self.k2
-        machine, lag, sw, dur = tab.machine, tab.lag, tab.sw, tab.dur
-        head, dext = self.head, self.dext
-        dirty = [True] * tab.stages
-        for _ in range(8):
-            changed = False
-            for m, ops in enumerate(ops_on):
-                if not dirty[m] or not ops:
-                    continue
-                dirty[m] = False
-                n_ops = len(ops)
-                # if no two blocks of the stage can clash with the target, skip the pairs
-                r_max = max(head[o] for o in ops)
-                t_max = max(tail[o] for o in ops)
-                p_max = max(dur[o] + sw[o] for o in ops)
-                for x in range(n_ops if r_max + p_max + t_max > target else 0):
-                    a = ops[x]
-                    ja = a // k2
-                    ra, pa, ta = head[a], dur[a], tail[a]
-                    if ra + ta > target:
-                        return False
-                    for y in range(x + 1, n_ops):
-                        b = ops[y]
-                        if b // k2 == ja:
-                            continue
-                        rb, tb = head[b], tail[b]
-                        ab = ra + pa + sw[a] + tb <= target
-                        ba = rb + dur[b] + sw[b] + ta <= target
-                        if ab and ba:
-                            continue
-                        if not (ab or ba):
-                            return False
-                        if ab:  # a must come before b
-                            v = ra + pa + sw[a]
-                            if v > rb:
-                                head[b] = v
-                                changed = True
-                            v = pa + sw[a] + tb
-                            if v > ta:
-                                tail[a] = ta = v
-                                changed = True
-                        else:
-                            v = rb + dur[b] + sw[b]
-                            if v > ra:
-                                head[a] = ra = v
-                                changed = True
-                            v = dur[b] + sw[b] + ta
-                            if v > tb:
-                                tail[b] = v
-                                changed = True
-                # edge finding only where the stage's whole load can clash with the target
-                if n_ops > 2 and (
-                    min(head[o] for o in ops)
-                    + sum(dext[o] for o in ops)
-                    + max(tail[o] - dext[o] for o in ops)
-                    > target
-                ):
-                    found = edge_find(ops, head, tail, dext, target)
-                    if found < 0:
-                        return False
-                    changed = changed or found > 0
-            if not changed:
-                break
-            for first, end in chains:
-                for o in range(first, end - 1):
-                    v = head[o] + lag[o]
-                    if v > head[o + 1]:
-                        head[o + 1] = v
-                        dirty[machine[o + 1]] = True
-                for o in range(end - 2, first - 1, -1):
-                    v = lag[o] + tail[o + 1]
-                    if v > tail[o]:
-                        tail[o] = v
-                        dirty[machine[o]] = True
-        return True
-
-    def _drains_fit(self, target: float) -> bool:
-        """`drain_fits` from each stage ``m`` through each lower stage ``a``'s backward
-        blocks, with ``a + 1``'s in between (``a`` alone right below ``m``).
-
-        A drain that has pruned less than once in 64 calls after 256 is tried only on
-        every 16th call: skipping a bound is always sound, and most nodes pass them all.
-        """
-        tab, k2 = self.tab, self.k2
-        dur, lag, chain, nxt, head = tab.dur, tab.lag, tab.head, self.nxt, self.head
-        for (m, a), stats in zip(self.drains, self.drain_stats, strict=True):
-            stats[0] += 1
-            if stats[0] > 256 and stats[1] * 64 < stats[0] and stats[0] % 16:
-                continue
-            if time.perf_counter() > self.deadline:  # large arrays: keep to the limit
-                return True
-            b = a + 1 if a + 1 < m else -1  # the Y stage, if any
-            items: list[tuple[tuple[int, float], float, float, float, int, int]] = []
-            for j in range(tab.jobs):
-                done = nxt[j] - j * k2
-                za = j * k2 + k2 - 1 - a
-                if done > k2 - 1 - a:
-                    continue
-                z, q = dur[za], self.qtail[za]
-                if b < 0 or done > k2 - 1 - b:  # the job enters at Z
-                    items.append(((0, 0.0), 0.0, z, q, j, za))
-                    continue
-                # its Z block may start before its Y block ends (update, Eq. 6)
-                y = dur[za - 1] if dur[za - 1] < lag[za - 1] else lag[za - 1]
-                items.append((johnson_key(y, z), y, z, q, j, za - 1))
-            items.sort()
-            fixed: list[tuple[float, int]] = []
-            work: list[tuple[float, float, float, float, int]] = []
-            for i, (_, _, _, _, j, entry) in enumerate(items):
-                done = nxt[j] - j * k2
-                if done > k2 - 1 - m:  # past m
-                    fixed.append((head[entry], i))
-                    continue
-                fm, bm = j * k2 + m, j * k2 + k2 - 1 - m
-                first = fm if done <= m else bm
-                w = dur[bm] + (dur[fm] if done <= m else 0.0)
-                lag_in = chain[entry] - chain[bm] - dur[bm]
-                work.append((head[first], w, lag_in, head[entry], i))
-            flow = [(y, z, q) for _, y, z, q, _, _ in items]
-            if not drain_fits(work, fixed, flow, target):
-                stats[1] += 1
-                return False
-        return True
-
-    def root_bound(self, lo: float) -> float:
-        """The least target the root's bounds accept (bisection from ``lo``)."""
-        saved, hi = self.ub, self.ub
-        step = self.step if self.integral else max(1e-6, 1e-6 * hi)
-        while hi - lo > step * 1.5 and time.perf_counter() < self.deadline:
-            mid = round_bound((lo + hi) / 2, self.integral)
-            self.ub = mid + self.step  # target: mid
-            if self.bound() <= mid:
-                hi = mid
-            else:
-                lo = mid + (self.step if self.integral else 0.0)
-        self.ub = saved
-        return lo
-
-    # -- search ------------------------------------------------------------------------
+    def _allowed(self, o: int) -> bool:
+        """Symmetry (`twin_arcs`): a job never overtakes its twin on a stage, or where
+        switches forbid that, never enters the pipeline before it."""
+        k2 = self.k2
+        j = o // k2
+        t = self.twin[j]
+        if t < 0:
+            return True
+        pos = o - j * k2
+        if pos and self.tw_pre[o] < 0:
+            return True
+        return self.nxt[t] > t * k2 + pos
 
     def _branch(self, ready: list[tuple[float, int]]) -> list[tuple[float, int]]:
         """Giffler-Thompson's conflict set on the first stage (by earliest end) where it
@@ -395,7 +154,8 @@ class _Search:
         machine, dur, sw, chain = tab.machine, tab.dur, tab.sw, tab.head
         end_on = [_INF] * tab.stages
         first_on = [-1] * tab.stages
-        for e, o in ready:
+        allowed = [(e, o) for e, o in ready if self._allowed(o)]
+        for e, o in allowed:
             c = e + dur[o]
             m = machine[o]
             if c < end_on[m]:
@@ -413,44 +173,38 @@ class _Search:
                 if pos <= k2 - 1 - m and e + chain[nxt_on_m] - chain[o] < reach:
                     break
             else:
-                return [(e, o) for e, o in ready if machine[o] == m and (o == ostar or e < reach)]
-        return ready
+                return [(e, o) for e, o in allowed if machine[o] == m and (o == ostar or e < reach)]
+        return allowed
 
-    def run(self, remaining: int) -> None:
+    def run(self, remaining: int) -> Generator[None, None, None]:
+        yield
         if remaining == 0:
             if self.makespan < self.ub - _EPS:
-                self.ub = self.makespan
+                self.ub = self.found = self.makespan
                 self.best = [list(s) for s in self.seqs]
             return
         self.nodes += 1
         if time.perf_counter() > self.deadline:
             raise _Timeout
-        k2, nxt, twin = self.k2, self.nxt, self.twin
-        kids = [
-            (e, o)
-            for e, o in self._branch(self._ready())
-            # an identical job with a lower index enters first
-            if o % k2 or twin[o // k2] < 0 or nxt[twin[o // k2]] != twin[o // k2] * k2
-        ]
         scored = []
-        for es, o in kids:
-            undo = self._push(o, es)
+        for es, o in self._branch(self.ready()):
+            undo = self.push(o, es)
             lb = _INF if self._dominated() else self.bound()
-            self._pop(o, undo)
+            self.pop(o, undo)
             if lb < self.ub - _EPS:
                 scored.append((lb, es, o))
         scored.sort()
         for idx, (lb, es, o) in enumerate(scored):
             if lb >= self.ub - _EPS:
                 break
-            undo = self._push(o, es)
+            undo = self.push(o, es)
             try:
-                self.run(remaining - 1)
+                yield from self.run(remaining - 1)
             except _Timeout:
                 self.open_bounds.append(min(b for b, _, _ in scored[idx:]))
                 raise
             finally:
-                self._pop(o, undo)
+                self.pop(o, undo)
 
 
 def _lasts_dominate(
@@ -466,17 +220,31 @@ def _lasts_dominate(
     return True
 
 
-def _twins(tab: OpTable) -> list[int]:
-    """For each job, the previous job with identical costs (or -1)."""
-    k2 = 2 * tab.stages
-    seen: dict[tuple[float, ...], int] = {}
-    out = []
-    for j in range(tab.jobs):
-        ops = range(j * k2, (j + 1) * k2)
-        key = tuple(v for o in ops for v in (tab.dur[o], tab.lag[o], tab.sw[o]))
-        out.append(seen.get(key, -1))
-        seen[key] = j
-    return out
+def _race(searches: list[_Search], n: int, root_lb: float) -> bool:
+    """Run the searches in turns (`_TURNS` nodes each), sharing the incumbent; True when
+    one finished or the incumbent meets ``root_lb`` (it is optimal), False at the
+    deadline."""
+    runs = [s.run(n) for s in searches]
+    try:
+        while True:
+            for run, turn in zip(runs, _TURNS, strict=False):
+                for _ in range(turn):
+                    next(run)
+                ub = min(s.ub for s in searches)
+                if ub <= root_lb + _EPS:
+                    return True
+                for other in searches:
+                    other.ub = ub
+    except StopIteration:
+        return True
+    except _Timeout:
+        for run in runs:  # the others record the bounds of their unexplored nodes
+            with contextlib.suppress(_Timeout, StopIteration):
+                run.throw(_Timeout)
+        return False
+    finally:
+        for run in runs:
+            run.close()
 
 
 def solve_bnb(
@@ -492,6 +260,7 @@ def solve_bnb(
     per block, at most a tenth of the time limit; cut short when it meets the bound).
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     tab = OpTable.of(inst)
     root_lb = lower_bound(tab)
     if initial is None:
@@ -503,29 +272,45 @@ def solve_bnb(
     res = semi_active(tab, seqs)
     if res is None:
         raise ValueError("initial orders are cyclic")
-    search = _Search(tab, res[1], seqs, t0 + time_limit_s)
+    searches = [_Search(tab, res[1], seqs, deadline)]
+    back = mirror(inst) if inst.num_jobs > 1 else None
+    if back is not None:
+        btab = OpTable.of(back)
+        searches.append(_Search(btab, res[1], to_seqs(btab, mirror_orders(initial)), deadline))
+    for search in searches:
+        if search.ub > root_lb + _EPS:
+            root_lb = max(root_lb, search.root_bound(root_lb))
     finished = True
-    if search.ub > root_lb + _EPS:
-        root_lb = max(root_lb, search.root_bound(root_lb))
-    if search.ub > root_lb + _EPS:
+    if searches[0].ub > root_lb + _EPS:
         old = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(old, tab.n + 200))
+        sys.setrecursionlimit(max(old, 2 * tab.n + 200))
         try:
-            search.run(tab.n)
-        except _Timeout:
-            finished = False
+            finished = _race(searches, tab.n, root_lb)
         finally:
             sys.setrecursionlimit(old)
-    ub = search.ub
-    lb = ub if finished else max(root_lb, min([ub, *search.open_bounds]))
-    final = semi_active(tab, search.best)
+    best = min(searches, key=lambda s: s.found)
+    ub = best.found
+    lb = ub if finished else root_lb
+    if not finished:
+        for search in searches:
+            if search.open_bounds:  # empty if it stopped at its root (or never ran)
+                lb = max(lb, min([ub, *search.open_bounds]))
+    orders = best.tab.orders(best.best)
+    if best is not searches[0]:
+        orders = mirror_orders(orders)
+    seqs = to_seqs(tab, orders)
+    final = semi_active(tab, seqs)
     assert final is not None
+    ordered = twin_ordered(tab, seqs)  # twins in index order, whichever search found it
+    again = semi_active(tab, ordered) if ordered is not None else None
+    if ordered is not None and again is not None and again[1] <= final[1]:
+        orders, final = tab.orders(ordered), again
     return Result(
         solver="bb",
-        orders=tab.orders(search.best),
+        orders=orders,
         makespan=final[1],
         lower_bound=lb,
         optimal=finished or final[1] <= lb + _EPS,
         seconds=time.perf_counter() - t0,
-        nodes=search.nodes,
+        nodes=sum(s.nodes for s in searches),
     )

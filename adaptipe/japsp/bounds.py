@@ -222,51 +222,56 @@ def edge_find(
     schedule that ends by ``target``, so the caller may prune or tighten with them.
     """
     n = len(ops)
-    p = [dext[o] for o in ops]
+    if not n:
+        return 0
     psuf = [0.0] * n
     csuf = [0.0] * n
     changed = 0
     for side in (0, 1):
         if side == 0:  # releases and deadlines
-            r = [head[o] for o in ops]
-            d = [target - tail[o] + dext[o] for o in ops]
+            keyed = sorted([(head[o], target - tail[o] + dext[o], dext[o], o) for o in ops])
         else:  # the mirror image: delivery times and latest starts
-            r = [tail[o] - dext[o] for o in ops]
-            d = [target - head[o] for o in ops]
-        order = sorted(range(n), key=r.__getitem__)
+            keyed = sorted([(tail[o] - dext[o], target - head[o], dext[o], o) for o in ops])
+        r, d, p, _ = map(list, zip(*keyed, strict=True))  # all by release
         new_r = list(r)
         for dk in set(d):
             # suffix sums over blocks by release: work with deadline <= dk, and the
             # latest end E(S) of those sets
             acc, c = 0.0, -math.inf
+            p_out = 0.0  # the longest block outside
             for pos in range(n - 1, -1, -1):
-                x = order[pos]
-                if d[x] <= dk:
-                    acc += p[x]
-                    if r[x] + acc > c:
-                        c = r[x] + acc
+                if d[pos] <= dk:
+                    acc += p[pos]
+                    if r[pos] + acc > c:
+                        c = r[pos] + acc
+                elif p[pos] > p_out:
+                    p_out = p[pos]
                 psuf[pos], csuf[pos] = acc, c
-            if csuf[0] > dk:
+            if c > dk:
                 return -1
+            # both rules below compare dk with an outside block's p plus some r + psuf of
+            # a set, which is at most c: nothing rises unless c + p_out exceeds dk
+            if c + p_out <= dk:
+                continue
             best, best_c = -math.inf, -math.inf  # the tightest set released earlier
             for pos in range(n):
-                x = order[pos]
-                rx = r[x]
-                if d[x] > dk:
-                    px = p[x]
-                    if rx + px + psuf[pos] > dk and csuf[pos] > new_r[x]:
-                        new_r[x] = csuf[pos]
-                    if best + px > dk and best_c > new_r[x]:
-                        new_r[x] = best_c
+                rx = r[pos]
+                if d[pos] > dk:
+                    px = p[pos]
+                    if rx + px + psuf[pos] > dk and csuf[pos] > new_r[pos]:
+                        new_r[pos] = csuf[pos]
+                    if best + px > dk and best_c > new_r[pos]:
+                        new_r[pos] = best_c
                 if rx + psuf[pos] > best:
                     best, best_c = rx + psuf[pos], csuf[pos]
-        for x in range(n):
-            if new_r[x] > r[x]:
+        for pos in range(n):
+            if new_r[pos] > r[pos]:
                 changed = 1
+                o = keyed[pos][3]
                 if side == 0:
-                    head[ops[x]] = new_r[x]
+                    head[o] = new_r[pos]
                 else:
-                    tail[ops[x]] = new_r[x] + dext[ops[x]]
+                    tail[o] = new_r[pos] + dext[o]
     return changed
 
 

@@ -224,8 +224,12 @@ def generate(
     one stage-time vector of the shared model (stages balanced to within about 20%, as
     the paper partitions them), scaled per profile by its batch size. Each job picks a
     profile and perturbs it by a small multiplicative ``jitter``; a backward block takes
-    about twice its forward (1.8x to 2.2x per stage). ``comm``, ``switch``, ``update``
-    and ``recompute`` are fractions of the job's forward time on that stage. Times are
+    about twice its forward (1.8x to 2.2x per stage). With ``jitter=0`` jobs of one
+    profile are identical, as in the paper, where jobs of one batch size train the same
+    model; with the default they are only nearly identical, which the branch-and-bound
+    cannot use (its symmetry rules need identical jobs, `adaptipe.japsp.partial`). A seed
+    picks the same profiles whatever the jitter. ``comm``, ``switch``, ``update`` and
+    ``recompute`` are fractions of the job's forward time on that stage. Times are
     rounded to integers (about 100 per forward block at the smallest batch size), which
     keeps bounds and the CP-SAT model exact.
     """

@@ -29,9 +29,11 @@ __all__ = [
 SOLVERS = ("bb", "ga", "auto", "gpipe", "1f1b", "rr", "cpsat")
 AUTO_THRESHOLD = 16
 """``J * S`` up to which ``auto`` runs B&B. Measured (bench/bench_japsp.py, generated
-instances): B&B proves every instance with at most 4 jobs (4x4, 4x5, 3x6, 2x8) in under a
-second, but with 5 to 8 jobs it often runs into its time limit (6x2 and 5x3 included), so
-beyond 16 the GA, which is within about 1% of the optimum there, is the better default."""
+instances, 10 seeds each): B&B proves every 4x4, 5x4 and 6x4 instance in under a second
+when jobs of one batch size have identical times (the paper's workload), but with 2%
+per-job jitter a 6x4 instance can take ~8 s of CPU and 5x4 up to ~3 s under load; beyond
+16 the GA, within about 1% of the optimum there in well under a second, is the safer
+default (``auto_threshold`` raises it)."""
 _DEFAULT_LIMIT = {"bb": 10.0, "ga": 1.0, "cpsat": 10.0}
 
 
