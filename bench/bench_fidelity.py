@@ -1,8 +1,11 @@
 """How well the simulator, fed this machine's profile, predicts real iteration times.
 
-For each schedule: profile the model at the micro-batch size (one thread), simulate the
-schedule with that profile and the partition the run uses, then train the same config
-for real over stage processes and compare the median iteration time after warm-up.
+For each schedule: profile the model at the micro-batch size (one thread), train the
+config for real over stage processes, profile it again, and simulate the run's schedule
+and partition with the two profiles' mean; compare with the median iteration time after
+warm-up. Bracketing the run evens out a steady drift of the machine's speed (``profile_drift``
+is the second profile's compute time over the first's; ``--no-bracket`` profiles only
+before the run).
 Prints one JSON object; the target is |error| <= 15% for 2-stage GPipe and 1F1B.
 ``--batch-wgrad`` trains with batched weight gradients and simulates them (the profile
 then also times the input-gradient-only backward and the batched weight gradients).
@@ -87,6 +90,32 @@ def _per_microbatch(
     return rows
 
 
+def _compute_s(profile: Profile) -> float:
+    return sum(layer.forward_s + layer.backward_s for layer in profile.layers)
+
+
+def _mean_profile(a: Profile, b: Profile) -> Profile:
+    """Per layer, the mean of two profiles' times (same model and settings)."""
+    if a is b:
+        return a
+
+    def mean(x: float | None, y: float | None) -> float | None:
+        return None if x is None or y is None else (x + y) / 2
+
+    layers = [
+        dataclasses.replace(
+            x,
+            forward_s=(x.forward_s + y.forward_s) / 2,
+            backward_s=(x.backward_s + y.backward_s) / 2,
+            update_s=(x.update_s + y.update_s) / 2,
+            backward_input_s=mean(x.backward_input_s, y.backward_input_s),
+            wgrad_s=mean(x.wgrad_s, y.wgrad_s),
+        )
+        for x, y in zip(a.layers, b.layers, strict=True)
+    ]
+    return dataclasses.replace(a, layers=tuple(layers))
+
+
 def _replayed(
     profile: Profile, partition: Partition, per_mb: list[dict[str, Any]], batch_wgrad: bool
 ) -> Profile:
@@ -118,17 +147,21 @@ def measure(
     plots: Path | None = None,
     tag: str = "",
     model_links: bool = True,
+    bracket: bool = True,
 ) -> dict[str, Any]:
     spec = get_model(model["name"], **model["config"])
-    micro = batch // microbatches
-    profile = profile_model(
-        spec,
-        microbatch=micro,
-        threads=1,
-        repeats=7,
-        warmup=2,
-        wgrad_microbatches=microbatches if batch_wgrad else 0,
-    )
+
+    def measure_profile() -> Profile:
+        return profile_model(
+            spec,
+            microbatch=batch // microbatches,
+            threads=1,
+            repeats=7,
+            warmup=2,
+            wgrad_microbatches=microbatches if batch_wgrad else 0,
+        )
+
+    before = measure_profile()
     partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=stages)
     # The link between two stage processes, measured the way they talk (gloo p2p).
     link = probe_link() if model_links else None
@@ -157,6 +190,9 @@ def measure(
         )
         summary = train(config)
         run = RunDir(summary.run_dir)
+        # Bracket the run: the machine's speed drifts by tens of percent within a minute.
+        after = measure_profile() if bracket else before
+        profile = _mean_profile(before, after)
         records = run.read_metrics()[warmup:]
         # The simulator on the run's own schedule and partition, fed the profile ...
         found = compare(run, profile, **links)
@@ -191,6 +227,7 @@ def measure(
         "predicted_busy_s": list(predicted.busy_s),
         "measured_compute_s": compute_real,
         "per_microbatch": per_mb,
+        "profile_drift": _compute_s(after) / _compute_s(before),
         "replay_s": replay.predicted_s,
         "replay_error": replay.error,
         "idle_s": {
@@ -235,6 +272,11 @@ def main() -> None:
         action="store_true",
         help="simulate free transfers instead of the measured gloo link",
     )
+    parser.add_argument(
+        "--no-bracket",
+        action="store_true",
+        help="profile only before each run (default: before and after, times averaged)",
+    )
     args = parser.parse_args()
     if args.trace < 1:
         parser.error("--trace must be >= 1")
@@ -257,6 +299,7 @@ def main() -> None:
                     plots=args.plots,
                     tag=f"round{r}-",
                     model_links=not args.no_links,
+                    bracket=not args.no_bracket,
                 )
             )
     rows = [_median_row(rounds[s]) for s in schedules]
