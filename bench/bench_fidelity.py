@@ -27,7 +27,7 @@ transfers, the schedule itself). ``--plots DIR`` writes the simulated and the tr
 Gantt charts of each round.
 
     python bench/bench_fidelity.py [--model gpt|mlp] [--iterations 30] [--schedules gpipe,1f1b]
-        [--batch-wgrad] [--rounds 1] [--trace 5] [--plots DIR]
+        [--batch-wgrad] [--rounds 1] [--trace 5] [--plots DIR] [--co-run] [--no-bracket] [--no-links]
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from typing import Any
 from adaptipe.models import get_model
 from adaptipe.plan.partition import Partition
 from adaptipe.profile import Profile, profile_model
+from adaptipe.profile.corun import profile_co_running
 from adaptipe.profile.link import probe_link
+from adaptipe.profile.types import mean_profile
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
@@ -94,28 +96,6 @@ def _compute_s(profile: Profile) -> float:
     return sum(layer.forward_s + layer.backward_s for layer in profile.layers)
 
 
-def _mean_profile(a: Profile, b: Profile) -> Profile:
-    """Per layer, the mean of two profiles' times (same model and settings)."""
-    if a is b:
-        return a
-
-    def mean(x: float | None, y: float | None) -> float | None:
-        return None if x is None or y is None else (x + y) / 2
-
-    layers = [
-        dataclasses.replace(
-            x,
-            forward_s=(x.forward_s + y.forward_s) / 2,
-            backward_s=(x.backward_s + y.backward_s) / 2,
-            update_s=(x.update_s + y.update_s) / 2,
-            backward_input_s=mean(x.backward_input_s, y.backward_input_s),
-            wgrad_s=mean(x.wgrad_s, y.wgrad_s),
-        )
-        for x, y in zip(a.layers, b.layers, strict=True)
-    ]
-    return dataclasses.replace(a, layers=tuple(layers))
-
-
 def _replayed(
     profile: Profile, partition: Partition, per_mb: list[dict[str, Any]], batch_wgrad: bool
 ) -> Profile:
@@ -148,18 +128,22 @@ def measure(
     tag: str = "",
     model_links: bool = True,
     bracket: bool = True,
+    co_run: bool = False,
 ) -> dict[str, Any]:
     spec = get_model(model["name"], **model["config"])
 
+    settings: dict[str, Any] = {
+        "microbatch": batch // microbatches,
+        "threads": 1,
+        "repeats": 7,
+        "warmup": 2,
+        "wgrad_microbatches": microbatches if batch_wgrad else 0,
+    }
+
     def measure_profile() -> Profile:
-        return profile_model(
-            spec,
-            microbatch=batch // microbatches,
-            threads=1,
-            repeats=7,
-            warmup=2,
-            wgrad_microbatches=microbatches if batch_wgrad else 0,
-        )
+        if co_run:  # one profiler per stage core, all at once, as the stages will run
+            return profile_co_running(model["name"], model["config"], processes=stages, **settings)
+        return profile_model(spec, **settings)
 
     before = measure_profile()
     partition = Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=stages)
@@ -192,7 +176,7 @@ def measure(
         run = RunDir(summary.run_dir)
         # Bracket the run: the machine's speed drifts by tens of percent within a minute.
         after = measure_profile() if bracket else before
-        profile = _mean_profile(before, after)
+        profile = mean_profile([before, after]) if bracket else before
         records = run.read_metrics()[warmup:]
         # The simulator on the run's own schedule and partition, fed the profile ...
         found = compare(run, profile, **links)
@@ -277,6 +261,11 @@ def main() -> None:
         action="store_true",
         help="profile only before each run (default: before and after, times averaged)",
     )
+    parser.add_argument(
+        "--co-run",
+        action="store_true",
+        help="profile in one pinned process per stage at once (contention of co-running stages)",
+    )
     args = parser.parse_args()
     if args.trace < 1:
         parser.error("--trace must be >= 1")
@@ -300,6 +289,7 @@ def main() -> None:
                     tag=f"round{r}-",
                     model_links=not args.no_links,
                     bracket=not args.no_bracket,
+                    co_run=args.co_run,
                 )
             )
     rows = [_median_row(rounds[s]) for s in schedules]
@@ -310,6 +300,7 @@ def main() -> None:
                 "model": args.model,
                 "batch": args.batch,
                 "batch_weight_grads": args.batch_wgrad,
+                "co_running_profile": args.co_run,
                 "rounds": args.rounds,
                 "rows": rows,
                 "max_abs_error": max(abs(r["error"]) for r in rows),

@@ -1,17 +1,22 @@
-"""Link probes: the latency-bandwidth fit, and a real gloo link between two processes."""
+"""Measuring processes: the link probe (fit and a real gloo link), the child runner and
+the co-running profiler."""
 
 from __future__ import annotations
 
 import json
 import math
 import multiprocessing
+import os
 import statistics
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.bandwidth import probe
+from adaptipe.profile.children import run_children
+from adaptipe.profile.corun import profile_co_running
 from adaptipe.profile.link import probe_link
 
 
@@ -106,3 +111,38 @@ def test_link_command_prints_the_fit(capsys: pytest.CaptureFixture[str]) -> None
     out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "gloo" and len(out["rtt_s"]) == len(out["sizes"]) == 3
     assert out["latency_s"] >= 0 and out["bandwidth_Bps"] > 0
+
+
+def _fails(rank: int, start: Any, out: Any) -> None:
+    start.wait()
+    out.put((rank, "RuntimeError: no device") if rank == 1 else (rank, 42))
+
+
+def _dies(rank: int, start: Any, out: Any) -> None:
+    if rank == 0:
+        os._exit(3)
+    start.wait()  # never released: its sibling is dead
+
+
+def test_children_report_a_failure_or_a_death_and_leave_no_process() -> None:
+    with pytest.raises(PlanError, match="demo: process 1 failed: RuntimeError: no device"):
+        run_children(_fails, [(), ()], timeout_s=60, what="demo")
+    with pytest.raises(PlanError, match=r"demo: process 0 died \(exit code 3\)"):
+        run_children(_dies, [(), ()], timeout_s=60, what="demo")
+    assert not multiprocessing.active_children()
+
+
+def test_co_running_profile_is_the_mean_of_its_profilers() -> None:
+    prof = profile_co_running(
+        "mlp",
+        {"in_features": 8, "hidden": 16, "depth": 3, "out_features": 4, "num_samples": 64},
+        processes=2,
+        microbatch=4,
+        repeats=2,
+        warmup=0,
+    )
+    assert prof.num_layers == 3 and prof.meta["co_running_processes"] == 2
+    assert prof.threads == 1 and all(lp.forward_s > 0 and lp.backward_s > 0 for lp in prof.layers)
+    assert not multiprocessing.active_children()
+    with pytest.raises(PlanError, match="microbatch is required"):
+        profile_co_running("mlp", processes=2)

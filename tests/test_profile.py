@@ -8,6 +8,7 @@ import torch
 from adaptipe import PlanError, Profile
 from adaptipe.models import get_model
 from adaptipe.profile import profile_model
+from adaptipe.profile.types import mean_profile
 
 
 def _small_mlp():  # type: ignore[no-untyped-def]
@@ -116,3 +117,17 @@ def test_profiles_without_batched_weight_grad_timings_still_load() -> None:
     assert old == prof
     assert old.layers[0].wgrad_s is None and old.wgrad_microbatches == 0
     assert old.layers[0].wgrad_bytes is None
+
+
+def test_mean_profile_averages_times_and_keeps_bytes() -> None:
+    a = Profile.uniform(3, forward_s=1.0, backward_s=2.0, activation_bytes=8)
+    b = Profile.uniform(3, forward_s=3.0, backward_s=4.0, activation_bytes=8)
+    m = mean_profile([a, b])
+    assert [lp.forward_s for lp in m.layers] == [2.0] * 3
+    assert [lp.backward_s for lp in m.layers] == [3.0] * 3
+    assert m.layers[0].activation_bytes == 8 and m.layers[0].wgrad_s is None
+    assert mean_profile([a]) == a
+    with pytest.raises(PlanError, match="different models"):
+        mean_profile([a, Profile.uniform(4, forward_s=1.0, backward_s=2.0)])
+    with pytest.raises(PlanError, match="no profiles"):
+        mean_profile([])

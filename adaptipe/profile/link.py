@@ -12,18 +12,15 @@ here, against nothing in a model without links).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
 import socket
 import statistics
-import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.bandwidth import ProbeResult
+from adaptipe.profile.children import pin_to_core, run_children
 
 __all__ = ["probe_link"]
 
@@ -44,6 +41,7 @@ def _side(
     repeats: int,
     warmup: int,
     timeout_s: float,
+    start: Any,
     out: Any,
 ) -> None:
     """One end of the link: rank 0 times round trips, rank 1 echoes them."""
@@ -53,9 +51,7 @@ def _side(
 
         from adaptipe.monitor.bandwidth import probe
 
-        if hasattr(os, "sched_setaffinity"):
-            cores = sorted(os.sched_getaffinity(0))
-            os.sched_setaffinity(0, {cores[rank % len(cores)]})
+        pin_to_core(rank)
         torch.set_num_threads(1)
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
@@ -117,39 +113,7 @@ def probe_link(
         )
     if repeats < 1 or warmup < 0:
         raise PlanError(f"probe_link: repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    args = (port, backend, tuple(sizes), repeats, warmup, timeout_s, out)
-    procs = [ctx.Process(target=_side, args=(rank, *args), daemon=True) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    replies: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(replies) < len(procs):
-            try:
-                rank, value = out.get(timeout=0.2)
-                replies[rank] = value
-                continue
-            except queue.Empty:
-                pass
-            dead = [r for r, p in enumerate(procs) if r not in replies and p.exitcode is not None]
-            if dead:
-                raise PlanError(
-                    f"probe_link: probe process {dead[0]} died (exit code "
-                    f"{procs[dead[0]].exitcode}) without an answer"
-                )
-            if time.monotonic() > deadline:
-                raise PlanError(f"probe_link: no answer from the probe processes in {timeout_s} s")
-    finally:
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    for rank, value in sorted(replies.items()):
-        if isinstance(value, str):
-            raise PlanError(f"probe_link: rank {rank} failed: {value}")
+    args = (_free_port(), backend, tuple(sizes), repeats, warmup, timeout_s)
+    replies = run_children(_side, [args, args], timeout_s=timeout_s, what="probe_link")
     sizes_out, rtts, latency, bandwidth = replies[0]
     return ProbeResult(tuple(sizes_out), tuple(rtts), float(latency), float(bandwidth))

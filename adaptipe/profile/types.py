@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from adaptipe.errors import PlanError
 from adaptipe.serial import check_kind, get_float, get_int, get_list, get_str
 
-__all__ = ["PROFILE_VERSION", "LayerProfile", "Profile"]
+__all__ = ["PROFILE_VERSION", "LayerProfile", "Profile", "mean_profile"]
 
 PROFILE_VERSION = 1
 
@@ -218,3 +219,40 @@ def _optional_seconds(raw: Any, key: str, *, source: str, prefix: str) -> float 
     if raw.get(key) is None:
         return None
     return get_float(raw, key, minimum=0.0, source=source, prefix=prefix)
+
+
+def mean_profile(profiles: Sequence[Profile]) -> Profile:
+    """Per layer, the mean of several profiles' times (one model, one micro-batch size);
+    bytes and the rest are the first profile's."""
+    if not profiles:
+        raise PlanError("mean_profile: no profiles")
+    first = profiles[0]
+    for other in profiles[1:]:
+        if (other.model, other.microbatch, other.num_layers) != (
+            first.model,
+            first.microbatch,
+            first.num_layers,
+        ):
+            raise PlanError(
+                "mean_profile: profiles of different models or micro-batch sizes "
+                f"({first.model}/{first.microbatch} and {other.model}/{other.microbatch})"
+            )
+    n = len(profiles)
+
+    def mean(values: Sequence[float | None]) -> float | None:
+        return None if any(v is None for v in values) else sum(v or 0.0 for v in values) / n
+
+    layers = []
+    for i, layer in enumerate(first.layers):
+        column = [p.layers[i] for p in profiles]
+        layers.append(
+            replace(
+                layer,
+                forward_s=sum(x.forward_s for x in column) / n,
+                backward_s=sum(x.backward_s for x in column) / n,
+                update_s=sum(x.update_s for x in column) / n,
+                backward_input_s=mean([x.backward_input_s for x in column]),
+                wgrad_s=mean([x.wgrad_s for x in column]),
+            )
+        )
+    return replace(first, layers=tuple(layers))
