@@ -10,7 +10,7 @@ Prints one JSON object; the target is |error| <= 15% for 2-stage GPipe and 1F1B.
 ``--batch-wgrad`` trains with batched weight gradients and simulates them (the profile
 then also times the input-gradient-only backward and the batched weight gradients).
 On a shared machine one measurement can be off by tens of percent either way:
-``--rounds N`` repeats profile, simulation and run N times per schedule and reports the
+``--rounds N`` (default 3) repeats profile, run and simulation per schedule and reports the
 median error (each round's is under ``errors``).
 
 The simulator models the link between the stage processes with the latency and
@@ -27,7 +27,7 @@ transfers, the schedule itself). ``--plots DIR`` writes the simulated and the tr
 Gantt charts of each round.
 
     python bench/bench_fidelity.py [--model gpt|mlp] [--iterations 30] [--schedules gpipe,1f1b]
-        [--batch-wgrad] [--rounds 1] [--trace 5] [--plots DIR] [--co-run] [--no-bracket] [--no-links]
+        [--batch-wgrad] [--rounds 3] [--trace 5] [--plots DIR] [--co-run] [--no-bracket] [--no-links]
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def main() -> None:
         action="store_true",
         help="train and simulate with batched weight gradients",
     )
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per schedule (median)")
     parser.add_argument("--trace", type=int, default=5, help="iterations to trace per run")
     parser.add_argument("--plots", type=Path, help="write simulated and traced Gantt PNGs here")
     parser.add_argument(
