@@ -13,13 +13,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from adaptipe.errors import PlanError
 
-__all__ = ["pin_to_core", "run_children"]
+__all__ = ["free_port", "pin_to_core", "run_children"]
 
 
 def run_children(
@@ -78,3 +79,10 @@ def pin_to_core(rank: int) -> None:
     if hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a process group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

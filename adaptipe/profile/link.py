@@ -12,7 +12,6 @@ here, against nothing in a model without links).
 
 from __future__ import annotations
 
-import socket
 import statistics
 from collections.abc import Sequence
 from datetime import timedelta
@@ -20,17 +19,11 @@ from typing import Any
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.bandwidth import ProbeResult
-from adaptipe.profile.children import pin_to_core, run_children
+from adaptipe.profile.children import free_port, pin_to_core, run_children
 
 __all__ = ["probe_link"]
 
 _SIZES = (4 << 10, 256 << 10, 1 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _side(
@@ -113,7 +106,7 @@ def probe_link(
         )
     if repeats < 1 or warmup < 0:
         raise PlanError(f"probe_link: repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
-    args = (_free_port(), backend, tuple(sizes), repeats, warmup, timeout_s)
+    args = (free_port(), backend, tuple(sizes), repeats, warmup, timeout_s)
     replies = run_children(_side, [args, args], timeout_s=timeout_s, what="probe_link")
     sizes_out, rtts, latency, bandwidth = replies[0]
     return ProbeResult(tuple(sizes_out), tuple(rtts), float(latency), float(bandwidth))

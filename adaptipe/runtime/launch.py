@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.monitor.collector import Collector
 from adaptipe.plan.partition import Partition
+from adaptipe.profile.children import free_port
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
 from adaptipe.runtime.control import JobController
@@ -144,12 +144,6 @@ def resolve_plans(config: RunConfig) -> Plans:
     return Plans(partition, schedule, profile)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     """Terminate every worker still running (by pid and process group), then kill."""
     for p in procs:
@@ -243,7 +237,7 @@ def _spawn(
     telemetry_interval_s: float = 0.2,
     control_dir: Path | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     # Workers import exactly the adaptipe this manager imported (a checkout, a link tree
     # or site-packages), whatever their working directory.
     package_root = str(Path(adaptipe.__file__).parent.parent)

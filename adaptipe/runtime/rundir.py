@@ -74,6 +74,9 @@ class RunDir:
     def trace(self) -> Path:
         return self.root / "trace"
 
+    def trace_file(self, stage: int) -> Path:
+        return self.trace / f"stage-{stage}.json"
+
     @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"

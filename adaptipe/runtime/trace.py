@@ -19,7 +19,7 @@ import math
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,6 @@ class TraceRecorder:
             "iterations": list(iterations),
             "events": [e.to_json() for e in self.events],
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(data))
 
 
@@ -89,20 +88,7 @@ def read_trace(folder: Path) -> tuple[list[Event], tuple[int, int]]:
     if not events:
         raise PlanError(f"{folder}: the traces hold no events")
     t0 = min(e.start for e in events)
-    shifted = [
-        Event(
-            e.where,
-            e.worker,
-            e.peer,
-            e.kind,
-            e.job,
-            e.microbatch,
-            e.chunk,
-            e.start - t0,
-            e.end - t0,
-        )
-        for e in events
-    ]
+    shifted = [replace(e, start=e.start - t0, end=e.end - t0) for e in events]
     shifted.sort(key=lambda e: (e.start, e.worker))
     return shifted, spans.pop()
 

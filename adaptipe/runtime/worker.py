@@ -349,7 +349,7 @@ def _train(
             executor.trace = recorder if it in traced else None
             stats = executor.run_iteration(it, per_job)
             if recorder is not None and it + 1 == traced.stop:
-                recorder.write(run.trace / f"stage-{rank}.json", iterations=(traced.start, it + 1))
+                recorder.write(run.trace_file(rank), iterations=(traced.start, it + 1))
                 recorder = None
             record: dict[str, Any] = {
                 "iteration": it,
@@ -384,7 +384,7 @@ def _train(
                 )
                 _log(log, {"event": "checkpoint", "stage": rank, "iteration": done})
         if recorder is not None and recorder.events:  # the run ended inside the window
-            recorder.write(run.trace / f"stage-{rank}.json", iterations=(traced.start, total))
+            recorder.write(run.trace_file(rank), iterations=(traced.start, total))
         _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
 
 
