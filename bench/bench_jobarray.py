@@ -4,10 +4,11 @@ Peer: each job trained alone by ``torch.distributed.pipelining`` (Schedule1F1B a
 ScheduleGPipe, at their best micro-batch count among 2, 4, 8) over 2 stage processes;
 sequential training of J identical-size jobs runs at one job's throughput. adaptipe:
 the J jobs as one job-array through one 2-stage pipeline (each job's mini-batch one
-block, block order from the JAPSP solver). Limit: one single-thread process times 2.
-Each contender is paired with a single-process run just before it. Prints one JSON object.
+block, block order from the JAPSP solver, ``--windows`` iterations scheduled as one
+window). Limit: one single-thread process times 2. Each contender is paired with a
+single-process run just before it. Prints one JSON object.
 
-    python bench/bench_jobarray.py [--jobs 4,8] [--iterations 10]
+    python bench/bench_jobarray.py [--jobs 4,8] [--iterations 12] [--windows 1,4]
 """
 
 from __future__ import annotations
@@ -31,8 +32,17 @@ from adaptipe.runtime.rundir import RunDir
 
 
 def run_array(
-    *, jobs: int, hidden: int, blocks: int, batch: int, iterations: int, warmup: int, solver: str
+    *,
+    jobs: int,
+    hidden: int,
+    blocks: int,
+    batch: int,
+    iterations: int,
+    warmup: int,
+    solver: str,
+    window: int,
 ) -> dict[str, Any]:
+    warmup = -(-warmup // window) * window  # whole windows: the first holds start-up costs
     lrs = [1e-3 * (1 + j) for j in range(jobs)]
     with tempfile.TemporaryDirectory(prefix="adaptipe-jobarray-") as tmp:
         config = RunConfig.from_dict(
@@ -49,6 +59,7 @@ def run_array(
                 "sweep": {
                     "jobs": [{"name": f"lr{j}", "lr": lr} for j, lr in enumerate(lrs)],
                     "solver": solver,
+                    "window": window,
                 },
             },
             source="bench_jobarray",
@@ -57,10 +68,13 @@ def run_array(
         records = RunDir(summary.run_dir).read_metrics()[warmup:]
         solution = json.loads((Path(summary.run_dir) / "japsp-solution.json").read_text())
     times = [r["iteration_s"] for r in records]
+    predicted = solution.get("window", {}).get("per_iteration", solution.get("makespan"))
     return {
+        "window": window,
         "samples_per_s": jobs * batch * len(times) / sum(times),
         "solver": solution.get("solver"),
-        "makespan_predicted_s": solution.get("makespan"),
+        "iteration_predicted_s": predicted,
+        "iteration_measured_s": sum(times) / len(times),
     }
 
 
@@ -69,7 +83,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--jobs", default="4,8")
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=12)
+    parser.add_argument(
+        "--windows", default="4", help="[sweep] window values to run (e.g. 1,4: without and with)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=16)
@@ -105,21 +122,22 @@ def main() -> None:
     for jobs in (int(v) for v in args.jobs.split(",")):
         single = run_single(threads=1, **common)["samples_per_s"]
         ceiling = run_concurrent_singles(2, **common)["samples_per_s"]
-        got = run_array(jobs=jobs, solver=args.solver, **common)
-        array_rows.append(
-            {
-                "jobs": jobs,
-                **got,
-                "single": single,
-                "x_single": got["samples_per_s"] / single,
-                # Two independent single-thread trainings at once: what 2 busy processes
-                # get from this machine (memory bandwidth, caches), next to the nominal
-                # limit of 2x one process alone.
-                "two_concurrent_x_single": ceiling / single,
-                "x_ceiling": got["samples_per_s"] / ceiling,
-            }
-        )
-        print(json.dumps(array_rows[-1]), file=sys.stderr)
+        for window in (int(v) for v in args.windows.split(",")):
+            got = run_array(jobs=jobs, solver=args.solver, window=window, **common)
+            array_rows.append(
+                {
+                    "jobs": jobs,
+                    **got,
+                    "single": single,
+                    "x_single": got["samples_per_s"] / single,
+                    # Two independent single-thread trainings at once: what 2 busy
+                    # processes get from this machine (memory bandwidth, caches), next to
+                    # the nominal limit of 2x one process alone.
+                    "two_concurrent_x_single": ceiling / single,
+                    "x_ceiling": got["samples_per_s"] / ceiling,
+                }
+            )
+            print(json.dumps(array_rows[-1]), file=sys.stderr)
     print(
         json.dumps(
             {

@@ -240,3 +240,10 @@ def test_command_prints_json_and_a_summary(
     assert _run(["japsp", str(file), "--solver", "ga", "--time-limit", "0.1", "--seed", "3"]) == 0
     text = capsys.readouterr().out
     assert "makespan" in text and "lower bound" in text and "stage 1:" in text
+    assert _run(["japsp", str(file), "--solver", "bb", "--window", "3", "--json"]) == 0
+    window = json.loads(capsys.readouterr().out)["window"]
+    assert window["rounds"] == 3 and len(window["orders"]) == 2
+    assert window["per_iteration"] <= out["makespan"] + 1e-9
+    assert window["makespan"] == pytest.approx(3 * window["per_iteration"])
+    assert _run(["japsp", str(file), "--window", "3"]) == 0
+    assert "window of 3: makespan" in capsys.readouterr().out

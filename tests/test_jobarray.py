@@ -3,6 +3,7 @@ parameters they would have trained alone (same seed, data order and hyper-parame
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.reference import train_reference
+from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
 from adaptipe.schedule.build import build_schedule
 
@@ -47,15 +49,16 @@ def _job_params(run_dir: str, job: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("solver", "budget"),
+    ("solver", "budget", "window"),
     [
-        pytest.param("1f1b", 0, id="1f1b-all-resident"),
-        pytest.param("auto", 0, id="auto-all-resident"),
-        pytest.param("1f1b", 2, id="1f1b-budget-2-of-4"),
+        pytest.param("1f1b", 0, 4, id="1f1b-all-resident"),
+        pytest.param("auto", 0, 4, id="auto-all-resident"),
+        pytest.param("auto", 0, 1, id="auto-no-window"),
+        pytest.param("1f1b", 2, 4, id="1f1b-budget-2-of-4"),
     ],
 )
 def test_every_job_of_the_array_ends_as_if_trained_alone(
-    make_config: Callable[..., RunConfig], solver: str, budget: int
+    make_config: Callable[..., RunConfig], solver: str, budget: int, window: int
 ) -> None:
     cfg = make_config(
         data={"microbatches": 1, "batch_size": 16},
@@ -63,7 +66,7 @@ def test_every_job_of_the_array_ends_as_if_trained_alone(
         train={"iterations": 4},
     )
     data = cfg.to_dict()
-    data["sweep"] = dict(SWEEP, solver=solver, memory_budget=budget)
+    data["sweep"] = dict(SWEEP, solver=solver, memory_budget=budget, window=window)
     cfg = RunConfig.from_dict(data, source="test.toml")
     assert len(cfg.jobs) == 4
     summary = train(cfg)
@@ -76,3 +79,40 @@ def test_every_job_of_the_array_ends_as_if_trained_alone(
             )
     run = Path(summary.run_dir)
     assert (run / "japsp-instance.json").exists() and (run / "japsp-solution.json").exists()
+
+
+def test_windows_end_at_checkpoints_and_keep_every_job_exact(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        train={"iterations": 7, "checkpoint_every": 3, "keep_checkpoints": 0},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = dict(SWEEP, solver="auto", window=4, memory_budget=3)
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    summary = train(cfg)
+    run = Path(summary.run_dir)
+    # Windows of 4 cut at the checkpoints after iterations 3 and 6: [0,3) [3,6) [6,7).
+    for stage in range(2):
+        lines = RunDir(run).stage_metrics(stage).read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if "iteration" in r and "event" not in r]
+        assert [r["iteration"] for r in records] == list(range(7))
+        assert [r.get("window", 1) for r in records] == [3, 3, 3, 3, 3, 3, 1]
+        if stage == 1:  # the last stage logs each job's loss for every iteration
+            assert all(sorted(r["losses"]) == ["0", "1", "2", "3"] for r in records)
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter-*")) == [
+        "iter-000003",
+        "iter-000006",
+        "iter-000007",
+    ]
+    solution = json.loads((run / "japsp-solution.json").read_text())
+    assert solution["window"]["rounds"] == 4
+    assert solution["window"]["per_iteration"] <= solution["makespan"] + 1e-12
+    for job in cfg.jobs:
+        got, want = _job_params(summary.run_dir, job.index), _alone(cfg, job)
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
+            )

@@ -164,7 +164,17 @@ def test_minimum_budget_counts_jobs_in_flight() -> None:
         OptimizerStep(0),
         Backward(1, 0),
     ]
-    assert block_order(program) == [0, 1, 0, 1]
+    assert block_order(program) == [(0, 0), (1, 0), (0, 0), (1, 0)]
+    assert minimum_budget(block_order(program)) == 2
+
+
+def test_a_window_counts_each_round_of_a_job_as_its_own_flight() -> None:
+    # Job 0's round 1 starts after its round 0 ended: one job in flight at a time, so a
+    # window of two rounds needs no more room than one round (not one span 0..3).
+    window = [(0, 0), (0, 0), (1, 0), (0, 1), (1, 0), (0, 1)]
+    assert minimum_budget(window) == 2
+    assert minimum_budget([0, 0, 1, 0, 1, 0]) == 2  # plain job ids: one span per job
+    assert minimum_budget([(0, 0), (1, 0), (0, 1), (0, 0), (1, 0), (0, 1)]) == 2
 
 
 @pytest.mark.parametrize(("optimizer", "states"), [("sgd", 1), ("adam", 3)])

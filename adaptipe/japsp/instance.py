@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,28 @@ class JapspInstance:
             switch=table(switch),
             update=table(update),
             recompute=table(recompute),
+        )
+
+    def select(self, jobs: Sequence[int]) -> JapspInstance:
+        """The instance of ``jobs`` only (distinct indices into this one, in that order)."""
+        if not jobs or len(set(jobs)) != len(jobs) or any(not 0 <= j < self.num_jobs for j in jobs):
+            raise PlanError(
+                f"select: jobs {list(jobs)} must be a non-empty list of distinct jobs "
+                f"0..{self.num_jobs - 1}"
+            )
+
+        def rows(table: Table) -> Table:
+            return tuple(table[j] for j in jobs)
+
+        return JapspInstance(
+            num_stages=self.num_stages,
+            names=tuple(self.names[j] for j in jobs),
+            forward=rows(self.forward),
+            backward=rows(self.backward),
+            comm=rows(self.comm),
+            switch=rows(self.switch),
+            update=rows(self.update),
+            recompute=rows(self.recompute),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -5,11 +5,15 @@ measured by the profiler (one profile per distinct batch size), plus its optimiz
 step (the just-in-time update right after the job's backward block). The JAPSP solver
 chosen in ``[sweep].solver`` orders the blocks; the order compiles to the one schedule
 form that the simulator and the workers execute.
+
+With ``[sweep].window = W > 1`` the run's schedule stays one iteration (the *round
+order*), chosen among the solver's and the baseline orders as the one whose window of
+W rounds is shortest; workers unroll it into windows (`window_for`), all alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptipe.japsp.instance import JapspInstance
@@ -17,9 +21,9 @@ from adaptipe.models import ModelSpec
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig
-from adaptipe.schedule.types import Schedule
+from adaptipe.schedule.types import Backward, Forward, Schedule
 
-__all__ = ["JobArrayPlan", "plan_active", "plan_job_array"]
+__all__ = ["JobArrayPlan", "plan_active", "plan_job_array", "window_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +38,6 @@ def plan_job_array(
     config: RunConfig, spec: ModelSpec, partition: Partition, *, active: list[int] | None = None
 ) -> JobArrayPlan:
     """Profile, build the JAPSP instance for the (active) jobs, solve and compile it."""
-    from adaptipe.japsp.compile import to_schedule
-    from adaptipe.japsp.solve import solve
     from adaptipe.profile.profiler import profile_model
 
     assert config.sweep is not None
@@ -64,16 +66,68 @@ def plan_job_array(
     instance = JapspInstance.build(
         forward, backward, names=[job.name for job in jobs], update=update
     )
+    schedule, solution = _solve(config, instance)
+    return JobArrayPlan(instance=instance, schedule=schedule, solution=solution, profiles=profiles)
+
+
+def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[str, Any]]:
+    """Solve for one round, pick the round order for the window; (schedule, solution)."""
+    from adaptipe.japsp.compile import to_schedule
+    from adaptipe.japsp.solve import solve
+    from adaptipe.japsp.window import best_window
+
+    assert config.sweep is not None
     result = solve(
         instance,
         solver=config.sweep.solver,
         time_limit_s=config.sweep.time_limit_s,
         seed=config.train.seed,
     )
-    schedule = to_schedule(instance, result.orders)
-    return JobArrayPlan(
-        instance=instance, schedule=schedule, solution=result.to_json(), profiles=profiles
-    )
+    solution = result.to_json()
+    rounds = config.sweep.window
+    orders, window = best_window(instance, result.orders, rounds, budget=config.sweep.memory_budget)
+    schedule = to_schedule(instance, orders)
+    meta: dict[str, Any] = {"makespan": result.makespan, "solver": result.solver}
+    if rounds > 1:
+        meta.update(window=rounds, window_makespan=window.makespan)
+        solution["window"] = {
+            "rounds": rounds,
+            "makespan": window.makespan,
+            "per_iteration": window.makespan / rounds,
+            "rule": window.rule,
+            "round_orders": schedule.meta["orders"],
+        }
+    return replace(schedule, meta={**schedule.meta, **meta}), solution
+
+
+def window_for(
+    base: Schedule, instance: JapspInstance, rounds: int, *, budget: int = 0
+) -> Schedule:
+    """The schedule of a window of ``rounds`` iterations of job-array schedule ``base``.
+
+    ``base`` is one round (``num_microbatches == 1``) and ``instance`` its jobs' costs
+    (rows in ``base``'s job numbering); ``budget``: the memory budget (job states
+    resident per stage, 0 = all). Deterministic: every worker gets the same.
+    """
+    from adaptipe.japsp.window import unroll, window_schedule
+
+    if rounds == 1:
+        return base
+    if base.num_microbatches != 1 or base.num_jobs != instance.num_jobs:
+        raise ValueError(
+            f"window_for: needs a one-round job-array schedule of {instance.num_jobs} jobs "
+            f"(got {base.num_jobs} jobs, {base.num_microbatches} micro-batches)"
+        )
+    orders = [
+        [
+            ("F" if isinstance(ins, Forward) else "B", ins.job)
+            for ins in stage
+            if isinstance(ins, Forward | Backward)
+        ]
+        for stage in base.stages
+    ]
+    window = unroll(instance, orders, rounds, budget=budget)
+    return window_schedule(instance, window, name=base.name)
 
 
 def plan_active(config: RunConfig, instance: JapspInstance, jobs: list[int]) -> Schedule:
@@ -82,37 +136,11 @@ def plan_active(config: RunConfig, instance: JapspInstance, jobs: list[int]) -> 
     Uses the run's JAPSP instance restricted to those jobs' rows, so nothing is profiled
     again; the schedule numbers them 0..k-1 (see `adaptipe.runtime.control.ActiveSet`).
     """
-    from dataclasses import replace
-
-    from adaptipe.japsp.compile import to_schedule
-    from adaptipe.japsp.solve import solve
     from adaptipe.schedule.validate import validate
 
     assert config.sweep is not None
     if not jobs or any(not 0 <= j < instance.num_jobs for j in jobs):
         raise ValueError(f"plan_active: jobs {jobs} must be a non-empty subset of the array")
-
-    def rows(table: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
-        return tuple(table[j] for j in jobs)
-
-    sub = replace(
-        instance,
-        names=tuple(instance.names[j] for j in jobs),
-        forward=rows(instance.forward),
-        backward=rows(instance.backward),
-        comm=rows(instance.comm),
-        switch=rows(instance.switch),
-        update=rows(instance.update),
-        recompute=rows(instance.recompute),
-    )
-    result = solve(
-        sub,
-        solver=config.sweep.solver,
-        time_limit_s=config.sweep.time_limit_s,
-        seed=config.train.seed,
-    )
-    schedule = to_schedule(sub, result.orders)
+    schedule, _ = _solve(config, instance.select(jobs))
     validate(schedule)
-    return replace(
-        schedule, meta={**schedule.meta, "makespan": result.makespan, "solver": result.solver}
-    )
+    return schedule

@@ -36,28 +36,46 @@ LogEvent = Literal["prefetch", "load", "evict"]
 _Key = tuple[str, int, str, str]  # (kind, layer, parameter name, optimizer state key)
 
 
-def block_order(program: Sequence[Instruction]) -> list[int]:
-    """The jobs of a stage program's compute blocks (forward, recompute, backward), in order."""
-    return [ins.job for ins in program if isinstance(ins, Forward | Recompute | Backward)]
+BlockKey = tuple[int, int]
+"""A block's ``(job, micro-batch)``: its forward, recompute and backward share it."""
+
+Order = Sequence[int] | Sequence[BlockKey]
+"""A stage's blocks in order, as jobs (one block group per job) or as `BlockKey` s."""
 
 
-def _spans(order: Sequence[int]) -> dict[int, tuple[int, int]]:
-    spans: dict[int, tuple[int, int]] = {}
-    for pos, job in enumerate(order):
-        spans[job] = (spans[job][0] if job in spans else pos, pos)
-    return spans
-
-
-def _needed(order: Sequence[int]) -> list[set[int]]:
-    """Per block: the jobs that must be resident while it runs (it and those in flight)."""
-    spans = _spans(order)
+def block_order(program: Sequence[Instruction]) -> list[BlockKey]:
+    """The ``(job, micro-batch)`` of a stage program's compute blocks (forward,
+    recompute, backward), in order."""
     return [
-        {j for j, (first, last) in spans.items() if first < pos <= last} | {job}
-        for pos, job in enumerate(order)
+        (ins.job, ins.microbatch)
+        for ins in program
+        if isinstance(ins, Forward | Recompute | Backward)
     ]
 
 
-def minimum_budget(order: Sequence[int]) -> int:
+def _keys(order: Order) -> list[BlockKey]:
+    return [(b, 0) if isinstance(b, int) else (int(b[0]), int(b[1])) for b in order]
+
+
+def _spans(keys: Sequence[BlockKey]) -> dict[BlockKey, tuple[int, int]]:
+    """First and last position of each block group (a job's micro-batch)."""
+    spans: dict[BlockKey, tuple[int, int]] = {}
+    for pos, key in enumerate(keys):
+        spans[key] = (spans[key][0] if key in spans else pos, pos)
+    return spans
+
+
+def _needed(order: Order) -> list[set[int]]:
+    """Per block: the jobs that must be resident while it runs (it and those in flight)."""
+    keys = _keys(order)
+    spans = _spans(keys)
+    return [
+        {j for (j, _), (first, last) in spans.items() if first < pos <= last} | {job}
+        for pos, (job, _) in enumerate(keys)
+    ]
+
+
+def minimum_budget(order: Order) -> int:
     """The smallest budget that can run ``order``: the most jobs resident at one block."""
     return max((len(s) for s in _needed(order)), default=0)
 
@@ -174,8 +192,10 @@ class MemoryManager:
         budget: job states resident at once; ``<= 0`` or ``>= J`` keeps all of them.
         device: where blocks run.
         host: where offloaded states live (pinned when ``device`` is CUDA).
-        order: the jobs of this stage's blocks in one iteration, in the order they run
-            (`block_order` of the stage program); iterations repeat it.
+        order: this stage's blocks in one iteration, in the order they run
+            (`block_order` of the stage program: ``(job, micro-batch)`` pairs; plain job
+            ids mean one block group per job); iterations repeat it. A job is in flight
+            from a group's first block to its last (forward to backward).
         prefetch: ``False`` loads each state only when its block needs it (an ablation).
 
     Call `before_block` before every block, `after_step` after each job's optimizer step.
@@ -188,7 +208,7 @@ class MemoryManager:
         budget: int,
         device: torch.device,
         host: torch.device | None = None,
-        order: Sequence[int],
+        order: Order,
         prefetch: bool = True,
     ) -> None:
         self.binder = binder
@@ -196,7 +216,7 @@ class MemoryManager:
         self.host = torch.device("cpu") if host is None else torch.device(host)
         if self.host.type != "cpu":
             raise ValueError(f"host must be a CPU device (got {self.host})")
-        self.order = list(order)
+        self.order = [job for job, _ in _keys(order)]
         num_jobs = binder.num_jobs
         for pos, job in enumerate(self.order):
             if not 0 <= job < num_jobs:
@@ -215,7 +235,7 @@ class MemoryManager:
             return
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device} is not available (no CUDA in this torch)")
-        self._set_order(self.order)
+        self._set_order(order)
         self._awaiting_step: set[int] = set()
         self._loading: dict[int, _Pending] = {}
         self._host_buffers: dict[int, dict[_Key, Tensor]] = {j: {} for j in range(num_jobs)}
@@ -261,7 +281,7 @@ class MemoryManager:
             self.misses += 1
         self.wait_s += time.perf_counter() - t0
         self._clock += 1
-        if pos == self._last[job]:
+        if pos in self._closes:
             self._awaiting_step.add(job)  # its gradients wait for the just-in-time step
         self._prefetch(pos, pinned=self._open_after[pos] | self._awaiting_step | {job})
 
@@ -303,55 +323,57 @@ class MemoryManager:
             self.synchronize()
             self._mover.close()
 
-    def reorder(self, order: Sequence[int]) -> None:
+    def reorder(self, order: Order) -> None:
         """Adopt a new block order at an iteration boundary (jobs of the array stopped).
 
         Jobs absent from the new order are offloaded to host memory, freeing their
         device memory for the others; their states stay readable (checkpoints).
         """
-        order = list(order)
+        jobs = [job for job, _ in _keys(order)]
         num_jobs = self.binder.num_jobs
-        for pos, job in enumerate(order):
+        for pos, job in enumerate(jobs):
             if not 0 <= job < num_jobs:
                 raise ValueError(
                     f"order[{pos}] = {job} is not a job of this stage (0..{num_jobs - 1})"
                 )
         if not self.enabled:
-            self.order = order
+            self.order = jobs
             return
-        if not order:
+        if not jobs:
             raise ValueError("reorder: the new block order is empty")
         self.synchronize()
         self._set_order(order)
         self._awaiting_step.clear()
-        for job in sorted(self.resident - set(order)):
+        for job in sorted(self.resident - set(jobs)):
             self._evict(job)
         self._mover.synchronize()
 
-    def _set_order(self, order: list[int]) -> None:
-        needed = _needed(order)
+    def _set_order(self, order: Order) -> None:
+        keys = _keys(order)
+        needed = _needed(keys)
         least = max(len(s) for s in needed)
         if self.budget < least:
             pos = max(range(len(needed)), key=lambda p: len(needed[p]))
             raise ValueError(
                 f"memory budget {self.budget} is below the minimum {least} for this stage's "
-                f"block order: at block {pos} (job {order[pos]}) jobs {sorted(needed[pos])} "
+                f"block order: at block {pos} (job {keys[pos][0]}) jobs {sorted(needed[pos])} "
                 f"must be resident (a job whose forward ran and whose backward has not keeps "
                 f"activations that reference its parameters); allowed: 0 (keep all) or "
                 f"{least}..{self.binder.num_jobs}"
             )
-        self.order = order
-        self._n = len(order)
+        self.order = [job for job, _ in keys]
+        self._n = len(keys)
         self._positions: dict[int, list[int]] = {}
-        for pos, job in enumerate(order):
+        for pos, job in enumerate(self.order):
             self._positions.setdefault(job, []).append(pos)
-        spans = _spans(order)
-        # After block p runs, until the next block: jobs between their first and last block.
+        spans = _spans(keys)
+        # After block p runs, until the next block: jobs inside one of their block groups.
         self._open_after = [
-            {j for j, (first, last) in spans.items() if first <= p < last} for p in range(self._n)
+            {j for (j, _), (first, last) in spans.items() if first <= p < last}
+            for p in range(self._n)
         ]
         self._needed = needed
-        self._last = {j: last for j, (_, last) in spans.items()}
+        self._closes = {last for _, last in spans.values()}  # a group's last block
         self._clock = 0  # blocks begun since the order was set
 
     # ------------------------------------------------------------------ policy

@@ -71,6 +71,7 @@ class IterationStats:
     iteration_s: float = 0.0
     loss: float | None = None  # summed over micro-batches (and jobs)
     losses: dict[int, float] = field(default_factory=dict)  # per job, summed over micro-batches
+    microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)  # (job, mb)
     # Per global layer: forward time measured layer by layer; backward time is measured per
     # chunk and split across its layers in proportion to their forward time (autograd runs
     # a chunk's backward as one call); batched weight gradients, computed at the step for
@@ -337,7 +338,9 @@ class StageExecutor:
                                     f"stage {self.stage}: no target for micro-batch {m}"
                                 )
                                 loss = self.loss_fn(out, target)
-                                losses[j] = losses.get(j, 0.0) + float(loss.detach())
+                                value = float(loss.detach())
+                                losses[j] = losses.get(j, 0.0) + value
+                                stats.microbatch_losses[(j, m)] = value
                                 out = loss * self.loss_scale
                             else:
                                 outputs[key] = out.detach()

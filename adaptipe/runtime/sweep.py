@@ -4,6 +4,7 @@
 [sweep]
 solver = "auto"          # JAPSP solver for the block order: auto, bb, ga, gpipe, 1f1b, rr
 memory_budget = 0        # job states resident per stage (0 = all of them)
+window = 4               # iterations scheduled as one (their blocks overlap; 1 = off)
 halving_every = 0        # successive halving every N iterations (0 = off)
 halving_keep = 0.5       # fraction of jobs kept at each halving
 
@@ -21,6 +22,14 @@ Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, s
 the rest comes from ``[optimizer]``, ``[data].batch_size`` and ``[train].seed``. Each
 job's mini-batch is one block of the pipeline (ArrayPipe), so ``[data].microbatches``
 must be 1 with a sweep.
+
+``window``: one JAPSP iteration fills and drains the pipeline. A window of W
+iterations is scheduled as one (`adaptipe.japsp.window`): a job's next forward may
+start on a stage as soon as its own previous backward and update there are done, so
+the fill and drain are paid once per window instead of once per iteration, and every
+job still trains exactly as alone. Checkpoints, halving rungs and the traced
+iterations end a window early; a stop request takes effect at the next window boundary
+(at most W iterations later).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ _SWEEP_FIELDS = (
     "jobs",
     "solver",
     "memory_budget",
+    "window",
     "halving_every",
     "halving_keep",
     "time_limit_s",
@@ -70,6 +80,7 @@ class SweepSection:
     jobs: tuple[JobSpec, ...]
     solver: str = "auto"
     memory_budget: int = 0
+    window: int = 4
     halving_every: int = 0
     halving_keep: float = 0.5
     time_limit_s: float = 1.0
@@ -124,6 +135,7 @@ def parse_sweep(
         jobs=tuple(jobs),
         solver=get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw),
         memory_budget=get_int(raw, "memory_budget", minimum=0, default=0, **kw),
+        window=get_int(raw, "window", minimum=1, default=4, **kw),
         halving_every=get_int(raw, "halving_every", minimum=0, default=0, **kw),
         halving_keep=keep,
         time_limit_s=limit,

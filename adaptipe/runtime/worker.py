@@ -60,14 +60,15 @@ class InjectedFault(RuntimeError):
     """Raised on purpose by a worker named in ``ADAPTIPE_INJECT_FAULT``."""
 
 
-def _injected_fault(rank: int) -> int | None:
+def _injected_fault() -> tuple[int, int] | None:
+    """``(stage, iteration)`` from ``ADAPTIPE_INJECT_FAULT``, if set."""
     value = os.environ.get(FAULT_ENV, "")
     if not value:
         return None
     stage, sep, iteration = value.partition(":")
     if not sep or not stage.isdigit() or not iteration.isdigit():
         raise ValueError(f"{FAULT_ENV}={value!r} must look like STAGE:ITERATION (e.g. 1:5)")
-    return int(iteration) if int(stage) == rank else None
+    return int(stage), int(iteration)
 
 
 def _pin_threads(local_rank: int, local_world: int, threads: int | None) -> int:
@@ -254,11 +255,14 @@ def _train(
             first_inputs[job.index] = TensorSpec(tuple(sample.shape), sample.dtype)
     state.memory = _memory_manager(config, state, schedule, rank, device)
     telemetry = _telemetry_address(config)
+    # Job-arrays run windows of several iterations (`adaptipe.japsp.window`): round r of
+    # a job is its micro-batch r of the window's schedule.
+    window = config.sweep.window if config.sweep is not None else 1
     transport = P2PTransport(
         rank=rank,
         device=device,
         num_boundaries=schedule.num_virtual_stages,
-        num_microbatches=m,
+        num_microbatches=m * window,
         num_jobs=schedule.num_jobs,
         measure_links=telemetry is not None and config.train.link_telemetry,
     )
@@ -291,6 +295,7 @@ def _train(
         if config.sweep is not None
         else None
     )
+    windows = _Windows(run, config, schedule, executor, state, rank) if follower else None
     active = set(range(len(jobs)))
     publisher = _telemetry(telemetry, rank, config.train.telemetry_interval_s)
     with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
@@ -313,16 +318,23 @@ def _train(
             config.train.trace_start, config.train.trace_start + config.train.trace_iterations
         )
         recorder = TraceRecorder(rank) if traced else None
-        fault_at = _injected_fault(rank)
+        fault = _injected_fault()
         control_dir = os.environ.get(CONTROL_DIR_ENV)
-        for it in range(start, total):
-            if it == fault_at:
+        # Iterations a window must not span: where a checkpoint, a halving rung, the
+        # traced range or the fault drill sits (the same on every stage).
+        edges = {traced.start, traced.stop} if traced else set()
+        if fault is not None:
+            edges.add(fault[1])
+        it = start
+        epoch = 0  # windows run so far (keeps consecutive windows' transfers apart)
+        while it < total:
+            if fault is not None and it == fault[1] and fault[0] == rank:
                 raise InjectedFault(f"fault injected at iteration {it} ({FAULT_ENV})")
+            t_window = time.time()
             if control_dir:
                 _apply_interference(control_dir, rank, executor, transport)
             switched = follower.at_boundary(it) if follower is not None else None
             if switched is not None and switched.version > 0:
-                executor = _switch_jobs(executor, switched, len(jobs), state, rank)
                 active = set(switched.jobs)
                 _log(
                     log,
@@ -334,43 +346,57 @@ def _train(
                         "jobs": list(switched.jobs),
                     },
                 )
+            stop = _window_end(config, it, total, window, edges)
+            rounds = stop - it
+            if windows is not None:
+                if switched is not None:
+                    windows.adopt(switched)
+                executor = windows.executor(rounds, slowdown=executor.slowdown)
             per_job: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
             for j, stream in enumerate(streams):
                 if j not in active:  # a stopped job reads no more data
-                    per_job.append([(None, None)] * m)
+                    per_job.append([(None, None)] * (m * rounds))
                     continue
-                x, y = next(stream)
-                pairs = split_microbatches(x.to(device), y.to(device), m)
-                per_job.append(
-                    [(xi if holds_first else None, yi if holds_last else None) for xi, yi in pairs]
-                )
+                batches: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+                for _ in range(rounds):
+                    x, y = next(stream)
+                    pairs = split_microbatches(x.to(device), y.to(device), m)
+                    batches += [
+                        (xi if holds_first else None, yi if holds_last else None)
+                        for xi, yi in pairs
+                    ]
+                per_job.append(batches)
             if not streams:
-                per_job = [[(None, None)] * m for _ in jobs]
+                per_job = [[(None, None)] * (m * rounds) for _ in jobs]
             executor.trace = recorder if it in traced else None
-            stats = executor.run_iteration(it, per_job)
-            if recorder is not None and it + 1 == traced.stop:
-                recorder.write(run.trace_file(rank), iterations=(traced.start, it + 1))
+            stats = executor.run_iteration(epoch, per_job)
+            epoch += 1
+            if recorder is not None and stop == traced.stop:
+                recorder.write(run.trace_file(rank), iterations=(traced.start, stop))
                 recorder = None
-            record: dict[str, Any] = {
-                "iteration": it,
-                "stage": rank,
-                "compute_s": stats.compute_s,
-                "wait_s": stats.wait_s,
-                "comm_s": stats.comm_s,
-                "iteration_s": stats.iteration_s,
-                "in_flight": stats.max_in_flight,
-                "end_time": time.time(),
-            }
-            if stats.losses:
-                # Mean loss of each job's mini-batch; "loss" is the mean over the jobs.
-                record["losses"] = {str(j): v / m for j, v in stats.losses.items()}
-                record["loss"] = sum(stats.losses.values()) / m / len(stats.losses)
-            _log(log, record)
+            t_end = time.time()
+            for r in range(rounds):
+                _log(
+                    log,
+                    _iteration_record(
+                        stats,
+                        iteration=it + r,
+                        stage=rank,
+                        rounds=rounds,
+                        per_round=m,
+                        round_index=r,
+                        end_time=t_window + (t_end - t_window) * (r + 1) / rounds,
+                    ),
+                )
             if publisher is not None:
-                publisher.publish(_stage_stats(run, rank, it, stats, state.chunks, device))
+                publisher.publish(
+                    _stage_stats(
+                        run, rank, stop - 1, _per_iteration(stats, rounds), state.chunks, device
+                    )
+                )
                 for link in transport.link_samples():
                     publisher.publish(link)
-            done = it + 1
+            it = done = stop
             if (every > 0 and done % every == 0) or done == total or is_rung(config, done, total):
                 _save_checkpoint(
                     run,
@@ -388,17 +414,131 @@ def _train(
         _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
 
 
-def _switch_jobs(
-    executor: StageExecutor, active: ActiveSet, num_jobs: int, state: StageState, rank: int
-) -> StageExecutor:
-    """An executor for the re-planned array (at an iteration boundary: nothing in flight).
+def _window_end(config: RunConfig, it: int, total: int, window: int, edges: set[int]) -> int:
+    """Where the window starting at ``it`` ends: ``window`` iterations later, or earlier
+    at the run's end, a checkpoint, a halving rung or one of ``edges``."""
+    every = config.train.checkpoint_every
+    stop = min(it + window, total)
+    for b in range(it + 1, stop):
+        if (every > 0 and b % every == 0) or is_rung(config, b, total) or b in edges:
+            return b
+    return stop
+
+
+def _iteration_record(
+    stats: IterationStats,
+    *,
+    iteration: int,
+    stage: int,
+    rounds: int,
+    per_round: int,
+    round_index: int,
+    end_time: float,
+) -> dict[str, Any]:
+    """One iteration's metrics record; a window's iterations share its times evenly."""
+    record: dict[str, Any] = {
+        "iteration": iteration,
+        "stage": stage,
+        "compute_s": stats.compute_s / rounds,
+        "wait_s": stats.wait_s / rounds,
+        "comm_s": stats.comm_s / rounds,
+        "iteration_s": stats.iteration_s / rounds,
+        "in_flight": stats.max_in_flight,
+        "end_time": end_time,
+    }
+    if rounds > 1:
+        record["window"] = rounds
+    group = range(round_index * per_round, (round_index + 1) * per_round)
+    losses: dict[str, float] = {}
+    for (j, mb), value in sorted(stats.microbatch_losses.items()):
+        if mb in group:
+            losses[str(j)] = losses.get(str(j), 0.0) + value / per_round
+    if losses:
+        # Mean loss of each job's mini-batch; "loss" is the mean over the jobs.
+        record["losses"] = losses
+        record["loss"] = sum(losses.values()) / len(losses)
+    return record
+
+
+def _per_iteration(stats: IterationStats, rounds: int) -> IterationStats:
+    """A window's stats as one iteration's average (telemetry)."""
+    if rounds == 1:
+        return stats
+    return IterationStats(
+        compute_s=stats.compute_s / rounds,
+        wait_s=stats.wait_s / rounds,
+        comm_s=stats.comm_s / rounds,
+        iteration_s=stats.iteration_s / rounds,
+        loss=None if stats.loss is None else stats.loss / rounds,
+        layer_forward_s={i: t / rounds for i, t in stats.layer_forward_s.items()},
+        layer_backward_s={i: t / rounds for i, t in stats.layer_backward_s.items()},
+        max_in_flight=stats.max_in_flight,
+    )
+
+
+class _Windows:
+    """A job-array worker's executors: one per window length, for the active set.
+
+    Every worker unrolls the same one-round schedule with the same block costs (the
+    run's JAPSP instance), so all agree on every window without talking. Layer slots,
+    per-job states, transport and negotiated shapes are shared; the memory manager
+    follows whichever window runs.
+    """
+
+    def __init__(
+        self,
+        run: RunDir,
+        config: RunConfig,
+        schedule: Schedule,
+        executor: StageExecutor,
+        state: StageState,
+        rank: int,
+    ) -> None:
+        from adaptipe.japsp.instance import JapspInstance
+        from adaptipe.serial import load_json_file
+
+        self.num_jobs = len(config.jobs)
+        self.budget = config.sweep.memory_budget if config.sweep is not None else 0
+        self.instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+        self.template, self.state, self.rank = executor, state, rank
+        self.active = ActiveSet(version=0, jobs=tuple(range(self.num_jobs)), schedule=schedule)
+        self._executors: dict[int, StageExecutor] = {}
+        self._running: tuple[int, int] | None = None  # (active version, rounds) in memory
+
+    def adopt(self, active: ActiveSet) -> None:
+        """Run ``active``'s jobs from the next window on (an iteration boundary)."""
+        if active.version != self.active.version:
+            self.active = active
+            self._executors.clear()
+
+    def executor(self, rounds: int, *, slowdown: float) -> StageExecutor:
+        from adaptipe.runtime.control import remap_jobs
+        from adaptipe.runtime.jobarray import window_for
+
+        ex = self._executors.get(rounds)
+        if ex is None:
+            act = self.active
+            local = window_for(
+                act.schedule, self.instance.select(act.jobs), rounds, budget=self.budget
+            )
+            ex = _respawn(self.template, remap_jobs(local, act.jobs, self.num_jobs), self.rank)
+            self._executors[rounds] = ex
+        ex.steps_done = self.template.steps_done
+        ex.slowdown = slowdown
+        key = (self.active.version, rounds)
+        if self.state.memory is not None and key != self._running:
+            self.state.memory.reorder(block_order(ex.program))
+        self._running = key
+        self.template = ex
+        return ex
+
+
+def _respawn(executor: StageExecutor, schedule: Schedule, rank: int) -> StageExecutor:
+    """An executor for another job-array schedule (at an iteration boundary).
 
     Layer slots, per-job states, transport and negotiated shapes carry over; only the
-    instruction list changes, and the memory manager follows the new block order.
+    instruction list changes.
     """
-    schedule = active.global_schedule(num_jobs)
-    if state.memory is not None:
-        state.memory.reorder(block_order(schedule.stages[rank]))
     new = StageExecutor(
         schedule=schedule,
         stage=rank,

@@ -20,7 +20,10 @@ Checks, in the order they run:
    after every local backward of micro-batches ``< k * update_every`` and before any
    backward of a later one (flushes for GPipe / 1F1B, ch. 3 §3.3; every micro-batch for
    PipeDream, ch. 2 §2.3; every ``m`` for 2BW, ch. 3 §3.2);
-6. weight versions per ``weights``: ``sync`` (one version), ``stash`` (PipeDream weight
+6. weight versions per ``weights``: ``sync`` (one version, the live weights: a
+   forward of micro-batch ``m`` runs after exactly ``m // update_every`` steps of its job
+   on its worker, so with ``update_every < M`` a window holds ``M // update_every``
+   successive flushes, as job-array windows do), ``stash`` (PipeDream weight
    stashing, ch. 2 §2.3.2), ``vertical`` (vertical sync, ch. 2 §2.3.2), ``2bw``
    (double buffering, ch. 3 §3.2.1: version ``max(mb // m - 1, 0)``, two live);
 4. deadlock freedom: the lists are executed with buffered sends and blocking receives
@@ -96,11 +99,6 @@ def _check_header(schedule: Schedule) -> None:
             f"{where}: num_microbatches={m_count} must be a multiple of update_every={u}"
         )
     match schedule.weights:
-        case "sync" if u != m_count:
-            raise ScheduleError(
-                f"{where}: weights='sync' steps once per flush, so update_every must equal "
-                f"num_microbatches={m_count} (got {u})"
-            )
         case "stash" | "vertical" if u != 1:
             raise ScheduleError(
                 f"{where}: weights={schedule.weights!r} (PipeDream) steps after every micro-batch, "
@@ -207,6 +205,12 @@ def _check_stage(schedule: Schedule, s: int, run: _Run) -> list[_Event]:
                     if v != 0:
                         raise fail(
                             f"weights='sync' has one weight version, so version must be 0, not {v}"
+                        )
+                    if done != m // u:
+                        raise fail(
+                            f"weights='sync': micro-batch {m} belongs to flush {m // u + 1} "
+                            f"(update_every={u}), so exactly {m // u} OptimizerStep(s) of job {j} "
+                            f"must run before it on this stage, not {done}"
                         )
                 elif mode == "stash":
                     if v != done:

@@ -1,0 +1,291 @@
+"""Windows: a job-array's block order unrolled over several iterations (rounds).
+
+One JAPSP iteration fills and drains the pipeline: the last stage waits for the first
+job's forward at the start, the first stage for the last job's gradient at the end.
+A *window* of ``R`` rounds (``R`` mini-batches per job) is one schedule in which round
+``r + 1``'s blocks may run in the gaps round ``r`` leaves, as long as a job's forward
+in round ``r + 1`` comes after its own backward (and just-in-time update) of round
+``r`` on that stage. Every job therefore computes with exactly the weights it would
+have alone; only the idle time at the iteration boundaries goes away.
+
+Within a round every stage keeps the solver's order. A list scheduler merges the
+rounds: in global start order, each stage takes its next block from the earliest
+round that can go, or hoists a later round's block into the gap (rules below); the
+best of the rules is kept, so a window is never slower (by the block costs) than its
+rounds one after another. With a memory budget (job states resident per stage), a
+stage starts a forward only while fewer jobs than the budget are in flight there
+(forward run, backward not), unless one round's order alone needs more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from adaptipe.errors import PlanError
+from adaptipe.japsp.evaluate import OpTable, Orders, parse_block, semi_active, to_seqs
+from adaptipe.japsp.instance import JapspInstance
+from adaptipe.schedule.onefoneb import add_transfers
+from adaptipe.schedule.types import Backward, Forward, OptimizerStep, Schedule
+
+__all__ = ["RULES", "RoundBlock", "Window", "best_window", "unroll", "window_schedule"]
+
+RoundBlock = tuple[Literal["F", "B"], int, int]
+"""A block of a window: ``(kind, job, round)``."""
+
+RULES = ("serial", "fit", "eager")
+"""How a stage fills a gap with a later round's block.
+
+``serial``: never (the rounds run one after another on every stage); ``fit``: only
+when the block ends before the earliest round's next block could start; ``eager``:
+whenever it can start first (non-delay list scheduling).
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Per-stage block orders of ``rounds`` rounds and their makespan by the block costs."""
+
+    rounds: int
+    orders: tuple[tuple[RoundBlock, ...], ...]
+    makespan: float
+    rule: str
+
+    def to_json(self) -> list[list[str]]:
+        """Per stage, ``"F3.1"``: job 3's forward of round 1."""
+        return [[f"{k}{j}.{r}" for k, j, r in stage] for stage in self.orders]
+
+
+_Op = tuple[int, int]  # (operation id of the OpTable, round)
+
+
+def unroll(
+    inst: JapspInstance | OpTable,
+    orders: Sequence[Sequence[object]],
+    rounds: int,
+    *,
+    rules: Sequence[str] = RULES,
+    budget: int = 0,
+) -> Window:
+    """The best window of ``rounds`` rounds of per-stage ``orders`` under ``rules``.
+
+    ``budget > 0`` caps the jobs in flight per stage (see the module docstring).
+    Raises `PlanError` for a round count below 1, an unknown rule, or orders that are
+    incomplete or cyclic.
+    """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise PlanError(f"unroll: rounds must be an integer >= 1 (got {rounds!r})")
+    unknown = [r for r in rules if r not in RULES]
+    if unknown or not rules:
+        raise PlanError(f"unroll: rules must be among {', '.join(RULES)} (got {list(rules)})")
+    tab = inst if isinstance(inst, OpTable) else OpTable.of(inst)
+    try:
+        seqs = to_seqs(tab, orders)
+    except ValueError as exc:
+        raise PlanError(f"unroll: {exc}") from None
+    if semi_active(tab, seqs) is None:
+        raise PlanError("unroll: the stage orders are cyclic (they would deadlock)")
+    limits = [max(budget, _in_flight(tab, seq)) if budget > 0 else tab.jobs for seq in seqs]
+    best: Window | None = None
+    for rule in dict.fromkeys(rules):
+        window = _Merge(tab, seqs, rounds, rule, limits).run()
+        if window is not None and (best is None or window.makespan < best.makespan - 1e-12):
+            best = window
+    if best is None:  # every rule asked for stalled under the budget; serial never does
+        best = _Merge(tab, seqs, rounds, "serial", limits).run()
+    assert best is not None
+    return best
+
+
+def _in_flight(tab: OpTable, seq: Sequence[int]) -> int:
+    """The most jobs in flight on a stage (the starting one included) running ``seq``."""
+    open_: set[int] = set()
+    most = 0
+    for o in seq:
+        j = tab.job[o]
+        if o % (2 * tab.stages) < tab.stages:
+            open_.add(j)
+            most = max(most, len(open_))
+        else:
+            open_.discard(j)
+    return most
+
+
+def best_window(
+    inst: JapspInstance, orders: Sequence[Sequence[object]], rounds: int, *, budget: int = 0
+) -> tuple[Orders, Window]:
+    """The round order whose window of ``rounds`` is shortest, and that window.
+
+    Candidates: ``orders`` (the solver's, optimal for one round) and the 1F1B,
+    round-robin and GPipe orders. Orders that tie for one round can differ a lot once
+    rounds overlap: a 1F1B-like order frees each job's first stage early, so its next
+    round can start while the pipeline drains. With a memory ``budget`` (job states
+    resident per stage, 0 = all), orders that keep no more jobs in flight than the
+    budget come first, whatever their makespan (the solver does not see the budget),
+    then the fewest jobs over it. Ties keep the earlier candidate.
+    """
+    from adaptipe.japsp.baselines import gpipe_orders, one_f_one_b_orders, round_robin_orders
+
+    tab = OpTable.of(inst)
+
+    def over(cand: Sequence[Sequence[object]]) -> int:
+        need = max(_in_flight(tab, seq) for seq in to_seqs(tab, cand))
+        return max(0, need - budget) if budget > 0 else 0
+
+    candidates: list[Sequence[Sequence[object]]] = [orders]
+    if rounds > 1 or over(orders):
+        candidates += [
+            f(inst).orders for f in (one_f_one_b_orders, round_robin_orders, gpipe_orders)
+        ]
+    best: tuple[int, float, Orders, Window] | None = None
+    for cand in candidates:
+        window = unroll(tab, cand, rounds, budget=budget)
+        key = (over(cand), window.makespan)
+        if best is None or key[0] < best[0] or (key[0] == best[0] and key[1] < best[1] - 1e-12):
+            best = (*key, tuple(tuple(parse_block(b) for b in stage) for stage in cand), window)
+    assert best is not None
+    return best[2], best[3]
+
+
+class _Merge:
+    """One list-scheduling pass that merges ``rounds`` copies of the stage orders."""
+
+    def __init__(
+        self, tab: OpTable, seqs: list[list[int]], rounds: int, rule: str, limits: list[int]
+    ) -> None:
+        self.tab, self.seqs, self.rounds, self.rule = tab, seqs, rounds, rule
+        self.limits = limits
+        self.open: list[set[int]] = [set() for _ in seqs]  # jobs in flight per stage
+        self.k2 = 2 * tab.stages
+        self.start: dict[_Op, float] = {}
+        self.free = [0.0] * tab.stages
+        self.prev = [-1] * tab.stages  # last operation placed on each stage
+
+    def run(self) -> Window | None:
+        """The merged window, or None when this rule stalls under the in-flight limits."""
+        tab, seqs, rounds = self.tab, self.seqs, self.rounds
+        ptr = [[0] * rounds for _ in seqs]
+        out: list[list[RoundBlock]] = [[] for _ in seqs]
+        remaining = sum(len(seq) for seq in seqs) * rounds
+        while remaining:
+            pick: tuple[float, int, int, int] | None = None  # (start, round, stage, op)
+            for s, seq in enumerate(seqs):
+                heads = [(r, seq[ptr[s][r]]) for r in range(rounds) if ptr[s][r] < len(seq)]
+                if self.rule == "serial":
+                    heads = heads[:1]
+                choice = self._choose(s, heads)
+                if choice is not None and (pick is None or (choice[0], choice[1], s) < pick[:3]):
+                    pick = (choice[0], choice[1], s, choice[2])
+            if pick is None:
+                return None
+            t, r, s, o = pick
+            self.start[(o, r)] = t
+            self.free[s] = t + tab.dur[o]
+            self.prev[s] = o
+            ptr[s][r] += 1
+            kind, j = tab.block(o)
+            if kind == "F":
+                self.open[s].add(j)
+            else:
+                self.open[s].discard(j)
+            out[s].append((kind, j, r))
+            remaining -= 1
+        makespan = max((t + tab.dur[o] for (o, _), t in self.start.items()), default=0.0)
+        return Window(
+            rounds=rounds,
+            orders=tuple(tuple(stage) for stage in out),
+            makespan=makespan,
+            rule=self.rule,
+        )
+
+    def _choose(self, s: int, heads: list[tuple[int, int]]) -> tuple[float, int, int] | None:
+        """(start, round, op) of the block stage ``s`` runs next, or None to wait."""
+        ready = [(t, r, o) for r, o in heads if (t := self._ready(s, o, r)) is not None]
+        if not ready:
+            return None
+        if self.rule == "eager":
+            return min(ready)
+        first_round, first_op = heads[0]
+        due = next((t for t, r, _ in ready if r == first_round), None)
+        if due is None:
+            due = self._bound(first_op, first_round)
+        for t, r, o in sorted(ready):
+            if r == first_round:
+                return t, r, o
+            if t + self.tab.dur[o] <= due:
+                return t, r, o  # fills the gap before the earliest round's next block
+        return None
+
+    def _ready(self, s: int, o: int, r: int) -> float | None:
+        """Earliest start of ``(o, r)`` on stage ``s`` now; None while a predecessor waits."""
+        tab, k2 = self.tab, self.k2
+        t = self.free[s]
+        if self.prev[s] >= 0 and self.prev[s] // k2 != o // k2:
+            t += tab.sw[self.prev[s]]
+        k = o % k2
+        if k:
+            p = self.start.get((o - 1, r))
+            if p is None:
+                return None
+            t = max(t, p + tab.lag[o - 1])
+        if k < tab.stages and len(self.open[s]) >= self.limits[s]:
+            return None  # the memory budget holds no further job in flight here
+        if k < tab.stages and r:
+            b = (o // k2) * k2 + k2 - 1 - s  # this job's backward on this stage
+            done = self.start.get((b, r - 1))
+            if done is None:
+                return None
+            t = max(t, done + tab.dur[b])
+        return t
+
+    def _bound(self, o: int, r: int) -> float:
+        """A lower bound on the start of unplaced ``(o, r)``: its chain, stages' free times."""
+        tab, k2 = self.tab, self.k2
+        placed = self.start.get((o, r))
+        if placed is not None:
+            return placed
+        t = self.free[tab.machine[o]]
+        if o % k2:
+            t = max(t, self._bound(o - 1, r) + tab.lag[o - 1])
+        return t
+
+
+def window_schedule(inst: JapspInstance, window: Window, *, name: str = "japsp") -> Schedule:
+    """The `Schedule` that runs ``window``: micro-batch ``r`` of job ``j`` is its round ``r``.
+
+    ``update_every = 1``: each round is a whole mini-batch, stepped right after its
+    backward on each stage (the just-in-time update); ``weights = "sync"``, and the
+    validator checks that a job's next round starts on a stage only after that step.
+    """
+    recompute = any(any(row) for row in inst.recompute)
+    stages = inst.num_stages
+    if len(window.orders) != stages:
+        raise PlanError(
+            f"window_schedule: the window has {len(window.orders)} stages, the instance {stages}"
+        )
+    program = []
+    for s, order in enumerate(window.orders):
+        ops: list[Forward | Backward | OptimizerStep] = []
+        for kind, j, r in order:
+            if kind == "F":
+                ops.append(Forward(j, r))
+            else:
+                ops.extend((Backward(j, r), OptimizerStep(j)))
+        program.append(add_transfers(ops, stage=s, num_stages=stages, recompute=recompute))
+    return Schedule(
+        name=name,
+        num_stages=stages,
+        num_microbatches=window.rounds,
+        num_jobs=inst.num_jobs,
+        stages=tuple(program),
+        weights="sync",
+        update_every=1,
+        recompute=recompute,
+        meta={
+            "rounds": window.rounds,
+            "window_rule": window.rule,
+            "makespan": window.makespan,
+            "orders": window.to_json(),
+        },
+    )

@@ -1,0 +1,168 @@
+"""Windows: rounds of a job-array's block order merged into one schedule.
+
+A window must be a valid schedule (each job's next round on a stage after its own
+step there), keep every stage's order within a round, be timed as its orders are,
+never be slower than its rounds one after another, and respect the memory budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adaptipe.errors import PlanError, ScheduleError
+from adaptipe.japsp import JapspInstance, evaluate, solve
+from adaptipe.japsp.baselines import one_f_one_b_orders
+from adaptipe.japsp.evaluate import OpTable
+from adaptipe.japsp.window import best_window, unroll, window_schedule
+from adaptipe.runtime.memory import block_order, minimum_budget
+from adaptipe.schedule.types import Forward, OptimizerStep
+from adaptipe.schedule.validate import validate
+from tests.test_japsp_solvers import instances
+
+
+def _rounds_as_jobs(inst: JapspInstance, rounds: int) -> JapspInstance:
+    """The instance with job ``j`` of round ``r`` as job ``r * J + j`` (same costs)."""
+
+    def rows(table: tuple[tuple[float, ...], ...]) -> list[list[float]]:
+        return [list(row) for row in table] * rounds
+
+    return JapspInstance.build(
+        rows(inst.forward),
+        rows(inst.backward),
+        comm=rows(inst.comm),
+        switch=rows(inst.switch),
+        update=rows(inst.update),
+        recompute=rows(inst.recompute),
+    )
+
+
+def _as_jobs(order: tuple[tuple[str, int, int], ...], jobs: int) -> list[str]:
+    return [f"{k}{r * jobs + j}" for k, j, r in order]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    inst=instances(max_jobs=4, max_stages=3),
+    rounds=st.integers(1, 4),
+    solver=st.sampled_from(["rr", "1f1b", "gpipe"]),
+    budget=st.integers(0, 3),
+)
+def test_a_window_is_valid_timed_as_ordered_and_never_slower_than_its_rounds(
+    inst: JapspInstance, rounds: int, solver: str, budget: int
+) -> None:
+    base = solve(inst, solver=solver)
+    window = unroll(inst, base.orders, rounds, budget=budget)
+    schedule = window_schedule(inst, window)
+    validate(schedule)
+    # Within each round, every stage keeps the base order.
+    for s, order in enumerate(window.orders):
+        for r in range(rounds):
+            assert [(k, j) for k, j, rr in order if rr == r] == list(base.orders[s])
+    # The window's makespan is the semi-active timeline of its orders, read as R*J jobs
+    # (switch costs aside: a job's next round runs on its own state, no switch).
+    as_jobs = _rounds_as_jobs(inst, rounds)
+    timed = evaluate(as_jobs, [_as_jobs(order, inst.num_jobs) for order in window.orders])
+    if not any(any(row) for row in inst.switch):
+        assert timed.makespan == pytest.approx(window.makespan, abs=1e-9)
+    else:
+        assert window.makespan <= timed.makespan + 1e-9
+    # One after another, rounds pay a switch at each boundary (from one round's last job
+    # on a stage to the next round's first), which one round's makespan leaves out.
+    boundary_switch = max(max(row) for row in inst.switch)
+    assert window.makespan <= rounds * base.makespan + (rounds - 1) * boundary_switch + 1e-9
+    tab = OpTable.of(inst)
+    busiest = max(sum(tab.dur[o] for o in ops) for ops in tab.machine_ops)
+    assert window.makespan >= rounds * busiest - 1e-9
+    # No stage holds more jobs in flight than the budget (or one round's order) needs.
+    if budget:
+        for s, program in enumerate(schedule.stages):
+            one_round = minimum_budget([j for _, j in base.orders[s]])
+            assert minimum_budget(block_order(program)) <= max(budget, one_round)
+
+
+def test_one_round_is_the_base_order() -> None:
+    inst = JapspInstance.build([[3.0, 4.0], [5.0, 2.0], [1.0, 6.0]], [[6.0, 8.0]] * 3)
+    base = solve(inst, solver="bb")
+    window = unroll(inst, base.orders, 1)
+    assert window.makespan == pytest.approx(base.makespan)
+    assert [[(k, j) for k, j, _ in stage] for stage in window.orders] == [
+        list(stage) for stage in base.orders
+    ]
+
+
+def test_overlapping_rounds_hides_the_fill_and_drain() -> None:
+    # Four identical jobs on two stages: one round costs 155 (stage work 124 plus fill
+    # and drain); with a 1F1B round order, rounds overlap and a round costs
+    # 124 + 31 / R.
+    inst = JapspInstance.build(
+        [[10.0, 10.0]] * 4, [[20.0, 20.0]] * 4, update=[[1.0, 1.0]] * 4, comm=[[0.5, 0.5]] * 4
+    )
+    one = one_f_one_b_orders(inst)
+    assert one.makespan == pytest.approx(155.0)
+    window = unroll(inst, one.orders, 4)
+    assert window.makespan == pytest.approx(4 * 124.0 + 31.0)
+    # An optimal but GPipe-like round order cannot overlap: best_window finds the 1F1B one.
+    gpipe_like = solve(inst, solver="gpipe")
+    assert unroll(inst, gpipe_like.orders, 4).makespan == pytest.approx(4 * 155.0)
+    orders, best = best_window(inst, gpipe_like.orders, 4)
+    assert best.makespan == pytest.approx(4 * 124.0 + 31.0)
+    assert orders == one.orders
+
+
+def test_the_budget_caps_jobs_in_flight() -> None:
+    # Jobs of different sizes: a short job's next round fits early, putting a third job
+    # in flight on stage 0 unless the budget of 2 forbids it.
+    inst = JapspInstance.build(
+        [[4.0, 4.0], [1.0, 1.0], [3.0, 3.0]], [[8.0, 8.0], [2.0, 2.0], [6.0, 6.0]]
+    )
+    one = one_f_one_b_orders(inst)
+    free = window_schedule(inst, unroll(inst, one.orders, 2))
+    capped = window_schedule(inst, unroll(inst, one.orders, 2, budget=2))
+    assert max(minimum_budget(block_order(p)) for p in free.stages) == 3
+    assert max(minimum_budget(block_order(p)) for p in capped.stages) == 2
+    validate(capped)
+
+
+def test_bad_arguments_are_named() -> None:
+    inst = JapspInstance.build([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2)
+    orders = solve(inst, solver="1f1b").orders
+    with pytest.raises(PlanError, match="rounds must be an integer >= 1"):
+        unroll(inst, orders, 0)
+    with pytest.raises(PlanError, match="rules must be among serial, fit, eager"):
+        unroll(inst, orders, 2, rules=["lazy"])
+    with pytest.raises(PlanError, match="missing blocks"):
+        unroll(inst, [orders[0], orders[1][:-1]], 2)
+
+
+def test_a_next_round_before_the_step_of_the_last_is_rejected() -> None:
+    inst = JapspInstance.build([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2)
+    schedule = window_schedule(inst, unroll(inst, solve(inst, solver="1f1b").orders, 2))
+    stage = list(schedule.stages[0])
+    fwd = next(i for i, ins in enumerate(stage) if isinstance(ins, Forward) and ins.microbatch)
+    job = stage[fwd].job
+    step = max(
+        i for i, ins in enumerate(stage[:fwd]) if isinstance(ins, OptimizerStep) and ins.job == job
+    )
+    stage.insert(step, stage.pop(fwd))
+    forged = replace(schedule, stages=(tuple(stage), *schedule.stages[1:]))
+    with pytest.raises(ScheduleError, match=r"belongs to flush 2 .* exactly 1 OptimizerStep"):
+        validate(forged)
+
+
+def test_within_the_budget_beats_a_shorter_order_over_it() -> None:
+    # Identical jobs: the GPipe order is optimal for one round but keeps all four jobs
+    # in flight; with a budget of 2 the 1F1B order (two in flight) is the one to run,
+    # even with windows off.
+    inst = JapspInstance.build([[10.0, 10.0]] * 4, [[20.0, 20.0]] * 4)
+    gpipe = solve(inst, solver="gpipe").orders
+    for rounds in (1, 3):
+        orders, window = best_window(inst, gpipe, rounds, budget=2)
+        assert orders == one_f_one_b_orders(inst).orders
+        assert (
+            max(minimum_budget(block_order(p)) for p in window_schedule(inst, window).stages) == 2
+        )
+    assert best_window(inst, gpipe, 1)[0] == tuple(tuple(s) for s in gpipe)  # no budget
