@@ -78,6 +78,13 @@ def run_array(
     }
 
 
+def _paired(run: Any, common: dict[str, Any]) -> dict[str, float]:
+    """A contender's samples/s next to a single-thread process run just before it."""
+    single = run_single(threads=1, **common)["samples_per_s"]
+    got = float(run())
+    return {"samples_per_s": got, "single": single, "x_single": got / single}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -86,6 +93,12 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument(
         "--windows", default="4", help="[sweep] window values to run (e.g. 1,4: without and with)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="paired rounds of every contender after the peer sweep; figures are medians",
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -102,42 +115,72 @@ def main() -> None:
         warmup=args.warmup,
     )
     started = time.time()
-    peer_rows = []
+
+    def peer(schedule: str, m: int) -> Any:
+        return lambda: run_peer(schedule=schedule, stages=2, microbatches=m, **common)[  # type: ignore[arg-type]
+            "samples_per_s"
+        ]
+
+    def array(jobs: int, window: int) -> Any:
+        def go() -> float:
+            got = run_array(jobs=jobs, solver=args.solver, window=window, **common)
+            extra[(jobs, window)].append(got)
+            return float(got["samples_per_s"])
+
+        return go
+
+    # 1. The peer's best schedule and micro-batch count, one pass each.
+    peer_rows: list[dict[str, Any]] = []
     for schedule in ("1f1b", "gpipe"):
         for m in (int(v) for v in args.peer_microbatches.split(",")):
-            single = run_single(threads=1, **common)["samples_per_s"]
-            got = run_peer(schedule=schedule, stages=2, microbatches=m, **common)["samples_per_s"]  # type: ignore[arg-type]
-            peer_rows.append(
-                {
-                    "schedule": schedule,
-                    "microbatches": m,
-                    "samples_per_s": got,
-                    "single": single,
-                    "x_single": got / single,
-                }
+            row = {"schedule": schedule, "microbatches": m, **_paired(peer(schedule, m), common)}
+            peer_rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    best = max(peer_rows, key=lambda r: r["x_single"])
+    # 2. Paired rounds: the best peer again, every array, the two-process ceiling.
+    arrays = [(int(j), int(w)) for j in args.jobs.split(",") for w in args.windows.split(",")]
+    extra: dict[tuple[int, int], list[dict[str, Any]]] = {key: [] for key in arrays}
+    peer_x = [best["x_single"]] if args.repeats == 1 else []
+    array_x: dict[tuple[int, int], list[float]] = {key: [] for key in arrays}
+    ceiling_x: list[float] = []
+    for rnd in range(args.repeats):
+        if args.repeats > 1:
+            got = _paired(peer(best["schedule"], best["microbatches"]), common)
+            peer_x.append(got["x_single"])
+            print(json.dumps({"round": rnd, "peer": got}), file=sys.stderr)
+        ceiling = _paired(lambda: run_concurrent_singles(2, **common)["samples_per_s"], common)
+        ceiling_x.append(ceiling["x_single"])
+        for key in arrays:
+            got = _paired(array(*key), common)
+            array_x[key].append(got["x_single"])
+            print(
+                json.dumps({"round": rnd, "jobs": key[0], "window": key[1], **got}), file=sys.stderr
             )
-            print(json.dumps(peer_rows[-1]), file=sys.stderr)
-    best_peer = max(peer_rows, key=lambda r: r["x_single"])
-    array_rows = []
-    for jobs in (int(v) for v in args.jobs.split(",")):
-        single = run_single(threads=1, **common)["samples_per_s"]
-        ceiling = run_concurrent_singles(2, **common)["samples_per_s"]
-        for window in (int(v) for v in args.windows.split(",")):
-            got = run_array(jobs=jobs, solver=args.solver, window=window, **common)
-            array_rows.append(
-                {
-                    "jobs": jobs,
-                    **got,
-                    "single": single,
-                    "x_single": got["samples_per_s"] / single,
-                    # Two independent single-thread trainings at once: what 2 busy
-                    # processes get from this machine (memory bandwidth, caches), next to
-                    # the nominal limit of 2x one process alone.
-                    "two_concurrent_x_single": ceiling / single,
-                    "x_ceiling": got["samples_per_s"] / ceiling,
-                }
-            )
-            print(json.dumps(array_rows[-1]), file=sys.stderr)
+    peer_med = statistics.median(peer_x)
+    rows = []
+    for (jobs, window), xs in array_x.items():
+        x = statistics.median(xs)
+        runs = extra[(jobs, window)]
+        rows.append(
+            {
+                "jobs": jobs,
+                "window": window,
+                "x_single": x,
+                "x_single_rounds": xs,
+                "over_best_peer": x / peer_med,
+                "x_limit": x / 2,
+                # Two independent single-thread trainings at once: what 2 busy processes
+                # get from this machine (memory bandwidth, caches), next to the nominal
+                # limit of 2x one process alone.
+                "x_ceiling": x / statistics.median(ceiling_x),
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in runs),
+                "iteration_measured_s": statistics.median(r["iteration_measured_s"] for r in runs),
+                "iteration_predicted_s": statistics.median(
+                    r["iteration_predicted_s"] for r in runs
+                ),
+                "solver": runs[0]["solver"],
+            }
+        )
     print(
         json.dumps(
             {
@@ -145,19 +188,11 @@ def main() -> None:
                 "model": f"{args.blocks} x Linear({args.hidden})+ReLU",
                 "batch_per_job": args.batch,
                 "stages": 2,
-                "best_peer": best_peer,
-                "arrays": [
-                    r
-                    | {
-                        "over_best_peer": r["x_single"] / best_peer["x_single"],
-                        "x_limit": r["x_single"] / 2,
-                    }
-                    for r in array_rows
-                ],
-                "peer_runs": peer_rows,
-                "median_array_over_peer": statistics.median(
-                    r["x_single"] / best_peer["x_single"] for r in array_rows
-                ),
+                "repeats": args.repeats,
+                "best_peer": {**best, "x_single_rounds": peer_x, "x_single_median": peer_med},
+                "two_concurrent_x_single": statistics.median(ceiling_x),
+                "arrays": rows,
+                "peer_sweep": peer_rows,
                 "seconds": time.time() - started,
             }
         )
