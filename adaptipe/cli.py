@@ -374,7 +374,7 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     stopped = stop_jobs(args.run_dir, args.jobs, reason=args.reason)
     print(
         f"asked {args.run_dir} to stop job(s) {', '.join(map(str, stopped))}; the array is "
-        "re-planned and switches at the next iteration boundary"
+        "re-planned and switches at the next window boundary"
     )
     return 0
 

@@ -4,7 +4,8 @@ A job of a running array can be stopped by the user (``adaptipe stop RUN_DIR JOB
 `stop_jobs`) or by successive halving on validation loss (``[sweep] halving_every``).
 Either way the manager re-plans the block order for the remaining jobs from the run's
 JAPSP instance (no re-profiling) and publishes a new *active set*; the workers adopt it
-at the next iteration boundary, where nothing is in flight, without a restart. The
+at the next window boundary (an iteration boundary where nothing is in flight; with
+``[sweep] window = W`` at most W iterations later), without a restart. The
 remaining jobs' numerics are untouched: each job's state, data stream and optimizer
 only ever see that job's blocks.
 
@@ -15,7 +16,7 @@ Files under ``RUN_DIR/control/``::
     active.json            {"version": N}: the newest version (the commit point)
     rung-NNNNNN.json       successive halving decided at that iteration: {"version": N}
 
-Rank 0 reads ``active.json`` at each iteration boundary and broadcasts the version, so
+Rank 0 reads ``active.json`` at each window boundary and broadcasts the version, so
 every worker switches at the same boundary; each then reads the immutable version
 file. At a halving rung rank 0 first waits for the manager's decision, which makes the
 set of survivors (and the iteration they are decided at) deterministic.
@@ -205,7 +206,7 @@ def stop_jobs(
     """Ask a running job-array to stop ``jobs`` (sweep indices or names); returns indices.
 
     The manager re-plans for the remaining jobs and the workers switch at the next
-    iteration boundary. Stopping every job, or a run that is not a job-array, is an error.
+    window boundary. Stopping every job, or a run that is not a job-array, is an error.
     """
     run = RunDir(Path(run_dir))
     if not run.config_json.exists():
@@ -359,7 +360,7 @@ class JobController:
 
 # ---------------------------------------------------------------------- workers
 class ActiveFollower:
-    """A worker's side: agree on the active set at each iteration boundary.
+    """A worker's side: agree on the active set at each window boundary.
 
     Rank 0 reads the newest version (at a halving rung it first waits for the
     manager's decision) and broadcasts it; every rank then reads that version's

@@ -282,7 +282,7 @@ def _train(
     executor.steps_done = steps
     total = config.iterations_total(len(dataset))
     every = config.train.checkpoint_every
-    # Job-arrays: which jobs train, agreed on at every iteration boundary (early stops).
+    # Job-arrays: which jobs train, agreed on at every window boundary (early stops).
     follower = (
         ActiveFollower(
             run,
