@@ -16,9 +16,11 @@ from adaptipe.models import get_model
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import StageFailed
 from adaptipe.runtime.reference import train_reference
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
+from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.build import build_schedule
 
 SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"}
@@ -112,6 +114,34 @@ def test_windows_end_at_checkpoints_and_keep_every_job_exact(
     assert solution["window"]["per_iteration"] <= solution["makespan"] + 1e-12
     for job in cfg.jobs:
         got, want = _job_params(summary.run_dir, job.index), _alone(cfg, job)
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
+            )
+
+
+def test_a_failed_array_resumes_from_its_checkpoint_and_ends_as_if_alone(
+    make_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stage 1 fails at iteration 5, inside the window [4, 7); the last checkpoint is
+    # after iteration 4. The resumed run cuts its windows the same way on both stages.
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        train={"iterations": 7, "checkpoint_every": 4},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = dict(SWEEP, solver="auto", window=3)
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    monkeypatch.setenv(FAULT_ENV, "1:5")
+    with pytest.raises(StageFailed, match="InjectedFault"):
+        train(cfg)
+    monkeypatch.delenv(FAULT_ENV)
+    run_dir = cfg.train.run_dir
+    resumed = train(cfg, run_dir=run_dir, resume=True)
+    assert resumed.start_iteration == 4 and resumed.iterations == 3
+    for job in cfg.jobs:
+        got, want = _job_params(resumed.run_dir, job.index), _alone(cfg, job)
         for name in want:
             torch.testing.assert_close(
                 got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"

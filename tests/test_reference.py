@@ -469,3 +469,20 @@ def test_versions_made_by_later_microbatches_are_rejected() -> None:
     bad = dataclasses.replace(schedule, stages=(tuple(program), schedule.stages[1]))
     with pytest.raises(ScheduleError, match="micro-batch 1 would use weight version 2"):
         _forward_versions(bad)
+
+
+def test_a_sync_window_of_several_flushes_steps_between_them() -> None:
+    # A job-array window of 3 rounds for one job: micro-batch r is a whole mini-batch,
+    # stepped before the next one's forward. 2 windows of 3 x 8 samples must train as
+    # 6 plain iterations of 8 (96 samples: one epoch, so the data order is the same).
+    from adaptipe.japsp import JapspInstance
+    from adaptipe.japsp.baselines import one_f_one_b_orders
+    from adaptipe.japsp.window import unroll, window_schedule
+
+    inst = JapspInstance.build([[1.0, 1.0]], [[2.0, 2.0]])
+    window = window_schedule(inst, unroll(inst, one_f_one_b_orders(inst).orders, 3))
+    got = run(mlp(), window, batch_size=24, iterations=2)
+    want = run(mlp(), build_schedule("gpipe", stages=1, microbatches=1), iterations=6)
+    assert got.versions == [[v, v] for v in range(6)]
+    for key, value in want.params.items():
+        torch.testing.assert_close(got.params[key], value, rtol=1e-6, atol=1e-7, msg=key)

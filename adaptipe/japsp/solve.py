@@ -153,6 +153,13 @@ def add_japsp_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="also plan a window of R iterations whose blocks overlap ([sweep] window): "
         "the round order it picks, its makespan and the time per iteration",
     )
+    p.add_argument(
+        "--memory-budget",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --window: at most K jobs in flight per stage ([sweep] memory_budget)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run_japsp_command)
     return p
@@ -174,7 +181,9 @@ def run_japsp_command(args: argparse.Namespace) -> int:
     if args.window != 1:
         from adaptipe.japsp.window import best_window
 
-        round_orders, window = best_window(inst, result.orders, args.window)
+        round_orders, window = best_window(
+            inst, result.orders, args.window, budget=args.memory_budget
+        )
     if args.json:
         out = result.to_json()
         if window is not None:

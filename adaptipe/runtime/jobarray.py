@@ -6,9 +6,10 @@ step (the just-in-time update right after the job's backward block). The JAPSP s
 chosen in ``[sweep].solver`` orders the blocks; the order compiles to the one schedule
 form that the simulator and the workers execute.
 
-With ``[sweep].window = W > 1`` the run's schedule stays one iteration (the *round
-order*), chosen among the solver's and the baseline orders as the one whose window of
-W rounds is shortest; workers unroll it into windows (`window_for`), all alike.
+The run's schedule is the solver's order for one iteration. Workers unroll it into
+windows of ``[sweep].window`` iterations (`window_for`), all alike, each time with the
+round order (the solver's or a baseline's) that makes that window shortest within the
+memory budget.
 """
 
 from __future__ import annotations
@@ -71,8 +72,13 @@ def plan_job_array(
 
 
 def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[str, Any]]:
-    """Solve for one round, pick the round order for the window; (schedule, solution)."""
+    """Solve for one round; (the solver's one-round schedule, the solution record).
+
+    Workers unroll the schedule into windows with `window_for`, which picks the round
+    order per window length; the record holds what it picks for full windows.
+    """
     from adaptipe.japsp.compile import to_schedule
+    from adaptipe.japsp.evaluate import evaluate
     from adaptipe.japsp.solve import solve
     from adaptipe.japsp.window import best_window
 
@@ -84,18 +90,19 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
         seed=config.train.seed,
     )
     solution = result.to_json()
-    rounds = config.sweep.window
-    orders, window = best_window(instance, result.orders, rounds, budget=config.sweep.memory_budget)
-    schedule = to_schedule(instance, orders)
+    schedule = to_schedule(instance, result.orders)
     meta: dict[str, Any] = {"makespan": result.makespan, "solver": result.solver}
-    if rounds > 1:
+    rounds, budget = config.sweep.window, config.sweep.memory_budget
+    orders, window = best_window(instance, result.orders, rounds, budget=budget)
+    if rounds > 1 or orders != result.orders:
         meta.update(window=rounds, window_makespan=window.makespan)
         solution["window"] = {
             "rounds": rounds,
             "makespan": window.makespan,
             "per_iteration": window.makespan / rounds,
             "rule": window.rule,
-            "round_orders": schedule.meta["orders"],
+            "round_orders": [[f"{k}{j}" for k, j in stage] for stage in orders],
+            "round_makespan": evaluate(instance, orders).makespan,
         }
     return replace(schedule, meta={**schedule.meta, **meta}), solution
 
@@ -105,14 +112,15 @@ def window_for(
 ) -> Schedule:
     """The schedule of a window of ``rounds`` iterations of job-array schedule ``base``.
 
-    ``base`` is one round (``num_microbatches == 1``) and ``instance`` its jobs' costs
-    (rows in ``base``'s job numbering); ``budget``: the memory budget (job states
-    resident per stage, 0 = all). Deterministic: every worker gets the same.
+    ``base`` is one round (``num_microbatches == 1``, the solver's order) and
+    ``instance`` its jobs' costs (rows in ``base``'s job numbering); ``budget``: the
+    memory budget (job states resident per stage, 0 = all). The round order is the best
+    for this window length (`adaptipe.japsp.window.best_window`). Deterministic: every
+    worker gets the same.
     """
-    from adaptipe.japsp.window import unroll, window_schedule
+    from adaptipe.japsp.window import best_window, window_schedule
+    from adaptipe.schedule.validate import validate
 
-    if rounds == 1:
-        return base
     if base.num_microbatches != 1 or base.num_jobs != instance.num_jobs:
         raise ValueError(
             f"window_for: needs a one-round job-array schedule of {instance.num_jobs} jobs "
@@ -126,8 +134,10 @@ def window_for(
         ]
         for stage in base.stages
     ]
-    window = unroll(instance, orders, rounds, budget=budget)
-    return window_schedule(instance, window, name=base.name)
+    _, window = best_window(instance, orders, rounds, budget=budget)
+    schedule = window_schedule(instance, window, name=base.name)
+    validate(schedule)
+    return schedule
 
 
 def plan_active(config: RunConfig, instance: JapspInstance, jobs: list[int]) -> Schedule:

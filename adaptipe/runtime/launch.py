@@ -210,6 +210,7 @@ class _Follower:
             samples = sum(self.batch_sizes.get(j, 0) for j in jobs)
             merged = {
                 "iteration": it,
+                "window": max(int(r.get("window", 1)) for r in recs.values()),
                 "loss": loss,
                 "losses": losses,
                 "iteration_s": span,
@@ -571,8 +572,10 @@ def _failure(run: RunDir, stage: int, code: int | None) -> StageFailed:
 def _summarise(
     run: RunDir, merged: list[dict[str, Any]], *, start: int, wall: float
 ) -> TrainSummary:
-    # Steady-state throughput: skip the first iteration (start-up, warm caches).
-    steady = merged[1:] if len(merged) > 1 else merged
+    # Steady-state throughput: skip the first iteration (start-up, warm caches), or the
+    # first window of a job-array, whose records share its start-up evenly.
+    first = int(merged[0].get("window", 1)) if merged else 1
+    steady = merged[first:] if len(merged) > first else merged
     span = sum(r["iteration_s"] for r in steady)
     stages: list[dict[str, float]] = []
     if steady:

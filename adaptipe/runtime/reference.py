@@ -105,7 +105,11 @@ def _forward_versions(schedule: Schedule) -> list[list[int]]:
                     f"a micro-batch may only use versions <= {ins.microbatch // every} "
                     f"(made by earlier micro-batches, update_every={every})"
                 )
-            table[g][ins.microbatch] = ins.version
+            # 'sync' names no versions: a forward computes with the live weights, which
+            # the validator guarantees are the ones after microbatch // update_every steps
+            # (several flushes in one window, as job-array windows have).
+            sync = schedule.weights == "sync"
+            table[g][ins.microbatch] = ins.microbatch // every if sync else ins.version
     out: list[list[int]] = []
     for g, row in enumerate(table):
         missing = [m for m, v in enumerate(row) if v is None]

@@ -29,7 +29,8 @@ start on a stage as soon as its own previous backward and update there are done,
 the fill and drain are paid once per window instead of once per iteration, and every
 job still trains exactly as alone. Checkpoints, halving rungs and the traced
 iterations end a window early; a stop request takes effect at the next window boundary
-(at most W iterations later).
+(at most W iterations later), and so does injected interference. Metrics and telemetry
+keep one record per iteration; a window's iterations share its time evenly.
 """
 
 from __future__ import annotations

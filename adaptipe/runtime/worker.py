@@ -253,7 +253,7 @@ def _train(
         for job in jobs:
             sample = dataset.sample_input(job.batch_size // m)
             first_inputs[job.index] = TensorSpec(tuple(sample.shape), sample.dtype)
-    state.memory = _memory_manager(config, state, schedule, rank, device)
+    state.memory = _memory_manager(run, config, state, schedule, rank, device)
     telemetry = _telemetry_address(config)
     # Job-arrays run windows of several iterations (`adaptipe.japsp.window`): round r of
     # a job is its micro-batch r of the window's schedule.
@@ -375,7 +375,10 @@ def _train(
                 recorder.write(run.trace_file(rank), iterations=(traced.start, stop))
                 recorder = None
             t_end = time.time()
+            mean = _per_iteration(stats, rounds)
             for r in range(rounds):
+                # A window's iterations share its time evenly.
+                end_time = t_window + (t_end - t_window) * (r + 1) / rounds
                 _log(
                     log,
                     _iteration_record(
@@ -385,15 +388,14 @@ def _train(
                         rounds=rounds,
                         per_round=m,
                         round_index=r,
-                        end_time=t_window + (t_end - t_window) * (r + 1) / rounds,
+                        end_time=end_time,
                     ),
                 )
-            if publisher is not None:
-                publisher.publish(
-                    _stage_stats(
-                        run, rank, stop - 1, _per_iteration(stats, rounds), state.chunks, device
+                if publisher is not None:
+                    publisher.publish(
+                        _stage_stats(run, rank, it + r, mean, state.chunks, device, end_time)
                     )
-                )
+            if publisher is not None:
                 for link in transport.link_samples():
                     publisher.publish(link)
             it = done = stop
@@ -557,14 +559,29 @@ def _respawn(executor: StageExecutor, schedule: Schedule, rank: int) -> StageExe
 
 
 def _memory_manager(
-    config: RunConfig, state: StageState, schedule: Schedule, rank: int, device: torch.device
+    run: RunDir,
+    config: RunConfig,
+    state: StageState,
+    schedule: Schedule,
+    rank: int,
+    device: torch.device,
 ) -> MemoryManager | None:
-    """A memory manager when the sweep keeps fewer job states resident than it has jobs."""
+    """A memory manager when the sweep keeps fewer job states resident than it has jobs.
+
+    It starts on the one-iteration order that fits the budget (the solver's order may
+    not); each window then hands it that window's order.
+    """
+    from adaptipe.japsp.instance import JapspInstance
+    from adaptipe.runtime.jobarray import window_for
+    from adaptipe.serial import load_json_file
+
     budget = config.sweep.memory_budget if config.sweep is not None else 0
     if state.binder is None or not 0 < budget < len(config.jobs):
         return None
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    first = window_for(schedule, instance, 1, budget=budget)
     return MemoryManager(
-        state.binder, budget=budget, device=device, order=block_order(schedule.stages[rank])
+        state.binder, budget=budget, device=device, order=block_order(first.stages[rank])
     )
 
 
@@ -616,6 +633,7 @@ def _stage_stats(
     stats: IterationStats,
     chunks: list[list[Any]],
     device: torch.device,
+    time_s: float | None = None,
 ) -> StageStats:
     layers = [slot.index for chunk in chunks for slot in chunk]
     contiguous = layers == list(range(layers[0], layers[0] + len(layers))) if layers else False
@@ -624,7 +642,7 @@ def _stage_stats(
         run_id=run.root.name,
         stage=rank,
         iteration=it,
-        time_s=time.time(),
+        time_s=time.time() if time_s is None else time_s,
         first_layer=layers[0] if contiguous else 0,
         forward_s=tuple(stats.layer_forward_s.get(i, 0.0) for i in layers) if contiguous else (),
         backward_s=tuple(stats.layer_backward_s.get(i, 0.0) for i in layers) if contiguous else (),
