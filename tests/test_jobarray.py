@@ -4,6 +4,7 @@ parameters they would have trained alone (same seed, data order and hyper-parame
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,3 +147,23 @@ def test_a_failed_array_resumes_from_its_checkpoint_and_ends_as_if_alone(
             torch.testing.assert_close(
                 got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
             )
+
+
+def test_a_diverging_job_does_not_stop_its_siblings(make_config: Callable[..., RunConfig]) -> None:
+    # lr=1e4 drives one job to NaN within a few iterations; the run (telemetry on) goes
+    # on, its sibling ends as if alone, and the summary ranks the diverged job last.
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        train={"iterations": 6, "telemetry": True},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": {"lr": [1e4, 0.05]}, "solver": "1f1b"}
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    summary = train(cfg)
+    losses = [r["losses"]["0"] for r in RunDir(summary.run_dir).read_metrics()]
+    assert not math.isfinite(losses[-1]), losses
+    got, want = _job_params(summary.run_dir, 1), _alone(cfg, cfg.jobs[1])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert [row["job"] for row in summary.jobs] == [1, 0]

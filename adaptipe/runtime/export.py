@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,8 @@ def evaluate_jobs(
                 "val_loss": validation_loss(spec, model, batch_size=job.batch_size),
             }
         )
-    rows.sort(key=lambda r: r["val_loss"])
+    # A diverged job (NaN or infinite loss) ranks last; NaN would not sort at all.
+    rows.sort(key=lambda r: (not math.isfinite(r["val_loss"]), r["val_loss"], r["job"]))
     for rank, row in enumerate(rows, start=1):
         row["rank"] = rank
     return rows

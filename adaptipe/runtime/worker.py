@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import sys
@@ -653,7 +654,8 @@ def _stage_stats(
         in_flight=stats.max_in_flight,
         memory_allocated_bytes=allocated,
         memory_reserved_bytes=reserved,
-        loss=stats.loss,
+        # A diverged job's NaN stays in the metrics log; telemetry carries numbers only.
+        loss=None if stats.loss is None or math.isnan(stats.loss) else stats.loss,
     )
 
 
