@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from adaptipe.errors import PlanError
-from adaptipe.japsp.evaluate import OpTable, semi_active, to_seqs
+from adaptipe.japsp.evaluate import OpTable, checked_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.schedule.onefoneb import add_transfers
 from adaptipe.schedule.types import Backward, Forward, OptimizerStep, Schedule
@@ -52,12 +52,7 @@ def to_schedule(
         ones = [[1.0] * stages for _ in range(jobs)]
         inst = JapspInstance.build(ones, ones)
     tab = OpTable.of(inst)
-    try:
-        seqs = to_seqs(tab, orders)
-    except ValueError as exc:
-        raise PlanError(f"to_schedule: {exc}") from None
-    if semi_active(tab, seqs) is None:
-        raise PlanError("to_schedule: the stage orders are cyclic (they would deadlock)")
+    seqs = checked_seqs(tab, orders, where="to_schedule")
     program = []
     for s, seq in enumerate(seqs):
         ops: list[Forward | Backward | OptimizerStep] = []

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from adaptipe.errors import ScheduleError
+from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp.instance import JapspInstance
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "OpTable",
     "Orders",
     "Timeline",
+    "checked_seqs",
     "critical_blocks",
     "decode",
     "evaluate",
@@ -199,6 +200,19 @@ def to_seqs(tab: OpTable, orders: Sequence[Sequence[object]]) -> list[list[int]]
             missing = [f"{k}{j}" for j in range(tab.jobs) for k in "FB" if (k, j) not in seen]
             raise ScheduleError(f"stage {s}: missing blocks {', '.join(missing)}")
         seqs.append(seq)
+    return seqs
+
+
+def checked_seqs(
+    tab: OpTable, orders: Sequence[Sequence[object]], *, where: str
+) -> list[list[int]]:
+    """`to_seqs` of orders that must also be acyclic; `PlanError` named ``where`` if not."""
+    try:
+        seqs = to_seqs(tab, orders)
+    except ValueError as exc:
+        raise PlanError(f"{where}: {exc}") from None
+    if semi_active(tab, seqs) is None:
+        raise PlanError(f"{where}: the stage orders are cyclic (they would deadlock)")
     return seqs
 
 

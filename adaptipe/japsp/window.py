@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from adaptipe.errors import PlanError
-from adaptipe.japsp.evaluate import OpTable, Orders, parse_block, semi_active, to_seqs
+from adaptipe.japsp.evaluate import OpTable, Orders, checked_seqs, parse_block, to_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.schedule.onefoneb import add_transfers
 from adaptipe.schedule.types import Backward, Forward, OptimizerStep, Schedule
@@ -80,12 +80,7 @@ def unroll(
     if unknown or not rules:
         raise PlanError(f"unroll: rules must be among {', '.join(RULES)} (got {list(rules)})")
     tab = inst if isinstance(inst, OpTable) else OpTable.of(inst)
-    try:
-        seqs = to_seqs(tab, orders)
-    except ValueError as exc:
-        raise PlanError(f"unroll: {exc}") from None
-    if semi_active(tab, seqs) is None:
-        raise PlanError("unroll: the stage orders are cyclic (they would deadlock)")
+    seqs = checked_seqs(tab, orders, where="unroll")
     limits = [max(budget, _in_flight(tab, seq)) if budget > 0 else tab.jobs for seq in seqs]
     best: Window | None = None
     for rule in dict.fromkeys(rules):
