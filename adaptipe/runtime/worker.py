@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.inject.injectors import CONTROL_DIR_ENV, read_slowdowns, read_throttles
+from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import get_model
 from adaptipe.monitor.publisher import Publisher
 from adaptipe.monitor.schema import StageStats
@@ -45,6 +46,7 @@ from adaptipe.runtime.stagestate import StageState, build_stage
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, recv_spec, send_spec
 from adaptipe.schedule.types import Schedule
+from adaptipe.serial import load_json_file
 
 __all__ = ["FAULT_ENV", "InjectedFault", "main", "run_worker"]
 
@@ -254,7 +256,13 @@ def _train(
         for job in jobs:
             sample = dataset.sample_input(job.batch_size // m)
             first_inputs[job.index] = TensorSpec(tuple(sample.shape), sample.dtype)
-    state.memory = _memory_manager(run, config, state, schedule, rank, device)
+    # Job-arrays: the block costs every worker unrolls windows with (all alike).
+    instance = (
+        load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+        if config.sweep is not None
+        else None
+    )
+    state.memory = _memory_manager(config, state, schedule, instance, rank, device)
     telemetry = _telemetry_address(config)
     # Job-arrays run windows of several iterations (`adaptipe.japsp.window`): round r of
     # a job is its micro-batch r of the window's schedule.
@@ -296,7 +304,11 @@ def _train(
         if config.sweep is not None
         else None
     )
-    windows = _Windows(run, config, schedule, executor, state, rank) if follower else None
+    windows = (
+        _Windows(config, schedule, instance, executor, state, rank)
+        if instance is not None
+        else None
+    )
     active = set(range(len(jobs)))
     publisher = _telemetry(telemetry, rank, config.train.telemetry_interval_s)
     with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
@@ -490,19 +502,16 @@ class _Windows:
 
     def __init__(
         self,
-        run: RunDir,
         config: RunConfig,
         schedule: Schedule,
+        instance: JapspInstance,
         executor: StageExecutor,
         state: StageState,
         rank: int,
     ) -> None:
-        from adaptipe.japsp.instance import JapspInstance
-        from adaptipe.serial import load_json_file
-
         self.num_jobs = len(config.jobs)
         self.budget = config.sweep.memory_budget if config.sweep is not None else 0
-        self.instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+        self.instance = instance
         self.template, self.state, self.rank = executor, state, rank
         self.active = ActiveSet(version=0, jobs=tuple(range(self.num_jobs)), schedule=schedule)
         self._executors: dict[int, StageExecutor] = {}
@@ -560,10 +569,10 @@ def _respawn(executor: StageExecutor, schedule: Schedule, rank: int) -> StageExe
 
 
 def _memory_manager(
-    run: RunDir,
     config: RunConfig,
     state: StageState,
     schedule: Schedule,
+    instance: JapspInstance | None,
     rank: int,
     device: torch.device,
 ) -> MemoryManager | None:
@@ -572,14 +581,11 @@ def _memory_manager(
     It starts on the one-iteration order that fits the budget (the solver's order may
     not); each window then hands it that window's order.
     """
-    from adaptipe.japsp.instance import JapspInstance
     from adaptipe.runtime.jobarray import window_for
-    from adaptipe.serial import load_json_file
 
     budget = config.sweep.memory_budget if config.sweep is not None else 0
-    if state.binder is None or not 0 < budget < len(config.jobs):
+    if state.binder is None or instance is None or not 0 < budget < len(config.jobs):
         return None
-    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
     first = window_for(schedule, instance, 1, budget=budget)
     return MemoryManager(
         state.binder, budget=budget, device=device, order=block_order(first.stages[rank])
