@@ -60,7 +60,14 @@ def _set(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
     return data
 
 
-_DELETE = object()
+class _Delete:
+    """Marks a field to remove; its repr keeps test ids the same in every process (xdist)."""
+
+    def __repr__(self) -> str:
+        return "<delete>"
+
+
+_DELETE = _Delete()
 
 BAD = [
     # (path, value, words every message must contain)

@@ -3,6 +3,7 @@ one feature vector shape for both sources."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import types
@@ -148,8 +149,9 @@ class _FakeNvml(types.ModuleType):
     def nvmlGpmMetricsGet(self, request: Any) -> Any:
         assert request.sample1 is not request.sample2
         for m in request.metrics[: request.numMetrics]:
-            m.value = {2: 70.0, 3: 35.0, 5: 10.0}.get(m.metricId, 0.0)
-            m.nvmlReturn = 0 if m.metricId in (2, 3, 5) else 3  # DRAM BW: not supported
+            # DRAM bandwidth: success with NaN, as an H100 (driver 580) answered.
+            m.value = {2: 70.0, 3: 35.0, 5: 10.0}.get(m.metricId, math.nan)
+            m.nvmlReturn = 0 if m.metricId in (2, 3, 5, 10) else 3
         return request
 
 

@@ -393,6 +393,50 @@ def test_cuda_device_without_cuda_is_an_error(
     )
 
 
+@pytest.mark.parametrize(
+    ("gpus", "device", "backend", "resolved"),
+    [
+        (2, "cuda", "auto", "nccl"),  # a GPU per stage
+        (1, "cuda", "auto", "gloo"),  # two stages on one GPU: NCCL would refuse
+        (4, "cuda:1", "auto", "gloo"),  # every stage on GPU 1
+        (1, "cuda", "gloo", "gloo"),
+        (1, "cpu", "auto", "gloo"),
+    ],
+)
+def test_auto_backend_is_nccl_only_with_a_gpu_per_stage(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    gpus: int,
+    device: str,
+    backend: str,
+    resolved: str,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    data = _minimal()
+    data["train"] |= {"device": device, "backend": backend}
+    assert load_config(_write(tmp_path, data)).train.backend == resolved
+
+
+@pytest.mark.parametrize(
+    ("gpus", "device", "shared"),
+    [(1, "cuda", "2 stages but torch sees 1 GPU;"), (2, "cuda:0", "all 2 stages would share")],
+)
+def test_nccl_with_stages_sharing_a_gpu_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, device: str, shared: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    data = _minimal()
+    data["train"] |= {"device": device, "backend": "nccl"}
+    path = _write(tmp_path, data)
+    with pytest.raises(PlanError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: [train].backend 'nccl' needs one GPU per stage ")
+    assert shared in message and "use backend 'gloo'" in message, message
+
+
 def test_interleaved_virtual_stages_are_checked_against_layers(tmp_path: Path) -> None:
     data = _minimal()
     data["data"]["microbatches"] = 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import logging
+import math
 import os
 import resource
 import threading
@@ -241,7 +242,8 @@ class NvmlProbe:
             self._gpm = [cur, prev]  # this sample is the next interval's start
         for i, (name, _) in enumerate(_GPM_METRICS):
             metric = request.metrics[i]
-            if metric.nvmlReturn == n.NVML_SUCCESS:
+            # An H100 answered NaN for DRAM bandwidth with NVML_SUCCESS: leave it out.
+            if metric.nvmlReturn == n.NVML_SUCCESS and math.isfinite(metric.value):
                 f[name] = float(metric.value)
 
     def close(self) -> None:

@@ -33,11 +33,11 @@ file, the section and field, the value and what is allowed. A complete example::
     [train]
     iterations = 200            # or epochs = N
     seed = 0
-    device = "cpu"              # cpu | cuda | cuda:N
+    device = "cpu"              # cpu | cuda (stage r on GPU r mod count) | cuda:N
     checkpoint_every = 50       # 0: only the final checkpoint
     keep_checkpoints = 3        # 0: keep every checkpoint
     log_every = 10
-    backend = "auto"            # auto | gloo | nccl
+    backend = "auto"            # auto (nccl with a GPU per stage, else gloo) | gloo | nccl
     timeout_s = 60.0            # collective and p2p timeout
     telemetry = true            # stream stage stats and device samples to the manager
     telemetry_interval_s = 0.2  # device-status sample period, 0.1-0.5 s
@@ -450,8 +450,24 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
         raise _fail(source, "[train].device", f"is {device!r} but {why} (allowed here: {allowed})")
     if backend == "nccl" and device == "cpu":
         raise _fail(source, "[train].backend", "'nccl' needs a cuda device (got device 'cpu')")
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so it needs a GPU per
+    # stage: device "cuda" gives stage r cuda:r. Gloo moves CUDA tensors through host
+    # memory, so any number of stages may share GPUs (`P2PTransport`).
+    own_gpus = device == "cuda" and stages <= count
+    if backend == "nccl" and stages > 1 and not own_gpus:
+        shared = (
+            f"all {stages} stages would share {device}"
+            if device != "cuda"
+            else f"{stages} stages but torch sees {count} GPU{'s' * (count != 1)}"
+        )
+        raise _fail(
+            source,
+            "[train].backend",
+            f"'nccl' needs one GPU per stage ({shared}; NCCL refuses two ranks on one GPU); "
+            "use backend 'gloo', which moves activations through host memory, or 'auto'",
+        )
     if backend == "auto":
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        backend = "nccl" if device.startswith("cuda") and (stages == 1 or own_gpus) else "gloo"
     return replace(train, backend=backend)
 
 

@@ -13,6 +13,12 @@ stage ``g`` receives the input shape of ``g`` from its predecessor, infers its o
 shape with a forward pass on the ``meta`` device, and sends that on. Nothing about
 shapes is hard-coded, and no per-message header costs a round trip.
 
+Tensors travel on the *wire device*: the GPU itself over NCCL, host memory over gloo
+(whose transport reads host pointers only). A CUDA stage on gloo therefore copies each
+activation or gradient to host memory before sending it and receives into pinned host
+buffers that it copies to the GPU; that is what lets several stages share one GPU, which
+NCCL refuses.
+
 With ``measure_links`` (telemetry on), every send is also timed per peer link, from the
 moment :meth:`P2PTransport.send` is called (so an injected throttle's delay counts) to
 its completion, by a :class:`~adaptipe.monitor.bandwidth.LinkTimer`; see
@@ -40,6 +46,7 @@ __all__ = [
     "TransferKey",
     "recv_spec",
     "send_spec",
+    "wire_device",
 ]
 
 ACTIVATION = 0
@@ -68,7 +75,12 @@ class TransferKey:
     direction: int  # ACTIVATION (forward, b-1 -> b) or GRADIENT (backward, b -> b-1)
 
 
-def send_spec(spec: TensorSpec, dst: int) -> None:
+def wire_device(device: torch.device, backend: str) -> torch.device:
+    """Where tensors travel between stages: the GPU over NCCL, else host memory."""
+    return device if backend == "nccl" else torch.device("cpu")
+
+
+def send_spec(spec: TensorSpec, dst: int, *, wire: torch.device | None = None) -> None:
     header = torch.full((_HEADER,), -1, dtype=torch.int64)
     if len(spec.shape) > _HEADER - 2:
         raise ValueError(
@@ -77,12 +89,13 @@ def send_spec(spec: TensorSpec, dst: int) -> None:
     header[0] = len(spec.shape)
     header[1] = _DTYPES.index(spec.dtype)
     header[2 : 2 + len(spec.shape)] = torch.tensor(spec.shape, dtype=torch.int64)
-    dist.send(header, dst)
+    dist.send(header.to(wire or "cpu"), dst)
 
 
-def recv_spec(src: int) -> TensorSpec:
-    header = torch.empty((_HEADER,), dtype=torch.int64)
+def recv_spec(src: int, *, wire: torch.device | None = None) -> TensorSpec:
+    header = torch.empty((_HEADER,), dtype=torch.int64, device=wire or "cpu")
     dist.recv(header, src)
+    header = header.cpu()
     ndim, code = int(header[0]), int(header[1])
     return TensorSpec(tuple(int(v) for v in header[2 : 2 + ndim]), _DTYPES[code])
 
@@ -100,7 +113,9 @@ class P2PTransport:
 
     Args:
         rank: this worker's rank (= stage index).
-        device: where received buffers live (CPU for gloo, the GPU for NCCL).
+        device: where this stage computes; received tensors are handed out there.
+        wire: where tensors travel (`wire_device`); defaults to ``device``. A CUDA
+            ``device`` with a host ``wire`` copies through host memory (module doc).
         num_boundaries: virtual stages in the pipeline (boundaries are 1..G-1).
         num_microbatches: micro-batches per job per iteration.
         num_jobs: jobs in the array.
@@ -123,9 +138,12 @@ class P2PTransport:
         num_jobs: int = 1,
         lookahead: int = 4,
         measure_links: bool = False,
+        wire: torch.device | None = None,
     ) -> None:
         self.rank = rank
         self.device = device
+        self.wire = device if wire is None else wire
+        self._staged = self.wire.type != device.type
         self._g = num_boundaries
         self._m = num_microbatches
         self._j = num_jobs
@@ -143,7 +161,7 @@ class P2PTransport:
         self.bytes_received = 0
         self._links: LinkTimer | None = None
         # gloo's wait() blocks until the send is done; NCCL's only orders CUDA streams.
-        self._watch_waits = device.type != "cuda"
+        self._watch_waits = self.wire.type != "cuda"
         if measure_links:
             self._links = LinkTimer(rank, poll_s=None if self._watch_waits else _POLL_S)
         if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= 2**31:
@@ -171,7 +189,9 @@ class P2PTransport:
         while self._next < len(self._plan) and len(self._posted) < self._lookahead:
             key, src, spec = self._plan[self._next]
             self._next += 1
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            buf = torch.empty(
+                spec.shape, dtype=spec.dtype, device=self.wire, pin_memory=self._staged
+            )
             work = dist.irecv(buf, src, tag=self._tag(key))
             self._posted[key] = _PendingRecv(key, src, buf, work)
 
@@ -187,6 +207,8 @@ class P2PTransport:
         self.wait_s += time.perf_counter() - t0
         self.bytes_received += pending.buffer.numel() * pending.buffer.element_size()
         self._post_ahead()
+        if self._staged:  # pinned host -> GPU, queued on the compute stream
+            return pending.buffer.to(self.device, non_blocking=True)
         return pending.buffer
 
     def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None:
@@ -199,6 +221,8 @@ class P2PTransport:
         if self.throttle is not None:
             latency, bandwidth = self.throttle
             time.sleep(latency + tensor.numel() * tensor.element_size() / bandwidth)
+        if self._staged:  # waits for the GPU to compute the tensor, then copies it
+            tensor = tensor.detach().to(self.wire)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))

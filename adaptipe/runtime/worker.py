@@ -44,7 +44,13 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import IterationStats, StageExecutor
 from adaptipe.runtime.stagestate import StageState, build_stage
 from adaptipe.runtime.trace import TraceRecorder
-from adaptipe.runtime.transport import P2PTransport, TensorSpec, recv_spec, send_spec
+from adaptipe.runtime.transport import (
+    P2PTransport,
+    TensorSpec,
+    recv_spec,
+    send_spec,
+    wire_device,
+)
 from adaptipe.schedule.types import Schedule
 from adaptipe.serial import load_json_file
 
@@ -92,7 +98,8 @@ def _pin_threads(local_rank: int, local_world: int, threads: int | None) -> int:
 def _device(config: RunConfig, local_rank: int) -> torch.device:
     dev = torch.device(config.train.device)
     if dev.type == "cuda":
-        index = dev.index if dev.index is not None else local_rank
+        # "cuda": stage r on GPU r (several per GPU when there are fewer GPUs; gloo only).
+        index = dev.index if dev.index is not None else local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return dev
@@ -110,6 +117,7 @@ def _negotiate_shapes(
     rank: int,
     first_inputs: dict[int, TensorSpec],
     device: torch.device,
+    wire: torch.device,
 ) -> dict[tuple[int, int], TensorSpec]:
     """Pass boundary shapes down the pipeline, job by job; each worker infers its own.
 
@@ -125,14 +133,14 @@ def _negotiate_shapes(
             if g == 0:
                 in_spec = first_inputs[job]
             else:
-                in_spec = recv_spec(schedule.place(g - 1)[0])
+                in_spec = recv_spec(schedule.place(g - 1)[0], wire=wire)
                 out[(job, g)] = in_spec
             if g < last:
                 with torch.no_grad():
                     x = torch.zeros(in_spec.shape, dtype=in_spec.dtype, device=device)
                     y = executor.forward_only(job, chunk, x)
                 out_spec = TensorSpec(tuple(y.shape), y.dtype)
-                send_spec(out_spec, schedule.place(g + 1)[0])
+                send_spec(out_spec, schedule.place(g + 1)[0], wire=wire)
                 out[(job, g + 1)] = out_spec
     return out
 
@@ -267,9 +275,11 @@ def _train(
     # Job-arrays run windows of several iterations (`adaptipe.japsp.window`): round r of
     # a job is its micro-batch r of the window's schedule.
     window = config.sweep.window if config.sweep is not None else 1
+    wire = wire_device(device, _backend(config, device))
     transport = P2PTransport(
         rank=rank,
         device=device,
+        wire=wire,
         num_boundaries=schedule.num_virtual_stages,
         num_microbatches=m * window,
         num_jobs=schedule.num_jobs,
@@ -287,7 +297,9 @@ def _train(
         memory=state.memory,
         batch_weight_grads=config.pipeline.batch_weight_grads,
     )
-    executor.set_boundary_specs(_negotiate_shapes(executor, schedule, rank, first_inputs, device))
+    executor.set_boundary_specs(
+        _negotiate_shapes(executor, schedule, rank, first_inputs, device, wire)
+    )
     executor.steps_done = steps
     total = config.iterations_total(len(dataset))
     every = config.train.checkpoint_every
@@ -298,7 +310,7 @@ def _train(
             config,
             rank=rank,
             total=total,
-            device=device,
+            device=wire,
             wait_s=0.8 * config.train.timeout_s,
         )
         if config.sweep is not None
@@ -310,7 +322,7 @@ def _train(
         else None
     )
     active = set(range(len(jobs)))
-    publisher = _telemetry(telemetry, rank, config.train.telemetry_interval_s)
+    publisher = _telemetry(telemetry, rank, config.train.telemetry_interval_s, device)
     with run.stage_metrics(rank).open("a") as log, contextlib.ExitStack() as cleanup:
         if publisher is not None:
             cleanup.callback(publisher.close, linger_s=0.5)
@@ -613,15 +625,21 @@ def _telemetry_address(config: RunConfig) -> str | None:
     return address if address and config.train.telemetry else None
 
 
-def _telemetry(address: str | None, rank: int, interval_s: float) -> Publisher | None:
-    """Publish to the manager's collector when there is one (non-blocking sends)."""
+def _telemetry(
+    address: str | None, rank: int, interval_s: float, device: torch.device
+) -> Publisher | None:
+    """Publish to the manager's collector when there is one (non-blocking sends).
+
+    A stage on a GPU samples that GPU through NVML; a CPU stage samples its process,
+    also on a machine with GPUs.
+    """
     if address is None:
         return None
     publisher = Publisher(address, stage=rank)
     interval = float(os.environ.get(TELEMETRY_INTERVAL_ENV, interval_s))
     publisher.start_sampler(
         interval_s=interval,
-        device_index=torch.cuda.current_device() if torch.cuda.is_available() else None,
+        device_index=device.index if device.type == "cuda" else None,
     )
     return publisher
 
