@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, generate, lower_bound, solve, to_schedule
 from adaptipe.japsp.bnb import solve_bnb
 from adaptipe.japsp.cpsat import available as cpsat_available
-from adaptipe.japsp.genetic import solve_ga
+from adaptipe.japsp.evaluate import OpTable
+from adaptipe.japsp.genetic import _job_sequences, _sequence_seeds, solve_ga
 from adaptipe.japsp.solve import add_japsp_parser
+from adaptipe.schedule.onefoneb import one_f_one_b_order
 from adaptipe.schedule.validate import validate
 from tests._japsp_brute import brute_force_optimum
 
@@ -122,6 +125,35 @@ def test_ga_is_within_one_percent_of_the_optimum_and_beats_the_baselines(seed: i
     assert optimum <= bb.makespan <= ga.makespan
     for name in ("gpipe", "1f1b", "rr"):
         assert ga.makespan <= solve(inst, solver=name).makespan
+
+
+def test_job_orders_count_jobs_of_equal_cost_once() -> None:
+    # the paper's way: 6 jobs of 3 batch sizes; seed 2 gives sizes 7, 6, 3, 6, 3, 6
+    tab = OpTable.of(generate(6, 4, seed=2, profiles=3, jitter=0.0))
+    orders = _job_sequences(tab, 720)
+    assert orders is not None and len(orders) == math.factorial(6) // (1 * 6 * 2)  # 1, 3, 2
+    kinds = [tuple(tab.dur[j * 8 : j * 8 + 8]) for j in range(6)]
+    assert all(sorted(o) == list(range(6)) for o in orders)
+    assert len({tuple(kinds[j] for j in o) for o in orders}) == len(orders)  # all distinct
+    assert _job_sequences(tab, 59) is None
+    jittered = OpTable.of(generate(7, 4, seed=2, profiles=3, jitter=0.02))
+    assert _job_sequences(jittered, 720) is None  # 7! > 720: left to the GA
+
+
+def test_job_order_seeds_are_valid_1f1b_orders_at_least_as_good_as_job_index_order() -> None:
+    inst = generate(6, 4, seed=2, profiles=3, jitter=0.0)
+    tab = OpTable.of(inst)
+    seeds = _sequence_seeds(tab, keep=3)
+    spans = []
+    for seqs in seeds:
+        timeline = evaluate(inst, tab.orders(seqs))
+        spans.append(timeline.makespan)
+        for s, order in enumerate(tab.orders(seqs)):  # 1F1B's shape, jobs relabelled
+            template = one_f_one_b_order(4, 6, s)
+            assert [k for k, _ in order] == [k for k, _ in template]
+    assert len(seeds) == 3 and spans == sorted(spans)
+    assert spans[0] <= solve(inst, solver="1f1b").makespan
+    assert _sequence_seeds(OpTable.of(generate(15, 4, seed=0))) == []  # too many orders
 
 
 def test_ga_is_deterministic_for_a_seed() -> None:

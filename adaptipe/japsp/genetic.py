@@ -13,13 +13,15 @@ moves before or after another, on every stage at once) with a short tabu search 
 critical path (N5 swaps at the ends of critical blocks, N7 moves of an operation to its
 block's ends); the improved order is written back into the chromosome (Lamarckian).
 
-The initial population holds the baselines and shifting-bottleneck schedules (plain and
-randomised, `adaptipe.japsp.baselines.shifting_bottleneck`). The run is deterministic for a seed when the generation cap
+The initial population holds the baselines, shifting-bottleneck schedules (plain and
+randomised, `adaptipe.japsp.baselines.shifting_bottleneck`) and, on small arrays, 1F1B
+over the best few of all distinct job orders (jobs of equal costs are one kind). The run is deterministic for a seed when the generation cap
 (not the clock) ends it, and stops as soon as the makespan meets the lower bound.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -29,6 +31,7 @@ from adaptipe.japsp.bounds import lower_bound
 from adaptipe.japsp.evaluate import OpTable, Orders, critical_blocks, decode, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.japsp.solve import Result
+from adaptipe.schedule.onefoneb import one_f_one_b_order
 
 __all__ = ["job_moves", "solve_ga", "tabu_search"]
 
@@ -197,13 +200,70 @@ def _mutate(rng: random.Random, ch: list[int], jobs: int) -> None:
         ch[:] = rest
 
 
+def _job_sequences(tab: OpTable, limit: int) -> list[list[int]] | None:
+    """Every distinct order of the jobs, jobs with equal costs counted as one (the paper's
+    arrays hold few batch sizes), or None when there are more than ``limit``."""
+    k2 = 2 * tab.stages
+    kinds: dict[tuple[float, ...], list[int]] = {}
+    for j in range(tab.jobs):
+        ops = range(j * k2, (j + 1) * k2)
+        key = tuple(v for o in ops for v in (tab.dur[o], tab.lag[o], tab.sw[o], tab.rel[o]))
+        kinds.setdefault(key, []).append(j)
+    groups = list(kinds.values())
+    count, placed = 1, 0
+    for g in groups:  # the multinomial coefficient, built up group by group
+        placed += len(g)
+        count = count * math.comb(placed, len(g))
+        if count > limit:
+            return None
+    out: list[list[int]] = []
+    left = [len(g) for g in groups]
+
+    def extend(prefix: list[int]) -> None:
+        if len(prefix) == tab.jobs:
+            out.append(list(prefix))
+            return
+        for i, g in enumerate(groups):
+            if left[i]:
+                left[i] -= 1
+                prefix.append(g[len(g) - 1 - left[i]])
+                extend(prefix)
+                prefix.pop()
+                left[i] += 1
+
+    extend([])
+    return out
+
+
+def _sequence_seeds(tab: OpTable, *, limit: int = 720, keep: int = 3) -> list[Seqs]:
+    """On small arrays, 1F1B over every distinct job order: the ``keep`` best.
+
+    Which jobs fill and drain the pipeline matters most on few jobs (short jobs at both
+    ends, say), and a crossover rarely moves a whole job from one end to the other.
+    """
+    orders = _job_sequences(tab, limit)
+    if orders is None:
+        return []
+    template = [one_f_one_b_order(tab.stages, tab.jobs, s) for s in range(tab.stages)]
+    scored: list[tuple[float, int, Seqs]] = []
+    for i, perm in enumerate(orders):
+        seqs = to_seqs(tab, [[(k, perm[j]) for k, j in stage] for stage in template])
+        res = semi_active(tab, seqs)
+        assert res is not None
+        scored.append((res[1], i, seqs))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return [seqs for _, _, seqs in scored[:keep]]
+
+
 def _seeds(
     tab: OpTable, inst: JapspInstance, initial: Orders | None, rng: random.Random, deadline: float
 ) -> list[Seqs]:
-    """Starting schedules: ``initial``, the baselines, shifting bottleneck, and up to six
-    randomised shifting-bottleneck runs (fewer on big instances, where one costs more)."""
+    """Starting schedules: ``initial``, the baselines, 1F1B over the best job orders (small
+    arrays), shifting bottleneck, and up to six randomised shifting-bottleneck runs (fewer
+    on big instances, where one costs more)."""
     out = [] if initial is None else [to_seqs(tab, initial)]
     out.extend(to_seqs(tab, make(inst).orders) for make in BASELINES.values())
+    out.extend(_sequence_seeds(tab))
     out.append(shifting_bottleneck(tab))
     for _ in range(min(6, 200_000 // (tab.stages * tab.stages * tab.n))):
         if time.perf_counter() > deadline:
