@@ -23,6 +23,7 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.build import build_schedule
+from adaptipe.schedule.types import Recompute
 
 SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"}
 
@@ -58,14 +59,17 @@ def _job_params(run_dir: str, job: int) -> dict[str, torch.Tensor]:
         pytest.param("auto", 0, 4, id="auto-all-resident"),
         pytest.param("auto", 0, 1, id="auto-no-window"),
         pytest.param("1f1b", 2, 4, id="1f1b-budget-2-of-4"),
+        pytest.param("auto", 2, 4, id="auto-recompute-budget-2-of-4"),
     ],
 )
 def test_every_job_of_the_array_ends_as_if_trained_alone(
-    make_config: Callable[..., RunConfig], solver: str, budget: int, window: int
+    make_config: Callable[..., RunConfig], solver: str, budget: int, window: int, request: Any
 ) -> None:
+    recompute = "recompute" in request.node.callspec.id
     cfg = make_config(
         data={"microbatches": 1, "batch_size": 16},
         optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        pipeline={"recompute": recompute},
         train={"iterations": 4},
     )
     data = cfg.to_dict()
@@ -82,6 +86,12 @@ def test_every_job_of_the_array_ends_as_if_trained_alone(
             )
     run = Path(summary.run_dir)
     assert (run / "japsp-instance.json").exists() and (run / "japsp-solution.json").exists()
+    instance = json.loads((run / "japsp-instance.json").read_text())
+    for job in instance["jobs"]:  # recomputation re-runs the forward: it costs as much
+        assert job.get("recompute", [0.0] * 2) == (job["forward"] if recompute else [0.0] * 2)
+    schedule = RunDir(run).read_schedule()
+    assert schedule.recompute == recompute
+    assert any(isinstance(ins, Recompute) for ins in schedule.stages[0]) == recompute
 
 
 def test_windows_end_at_checkpoints_and_keep_every_job_exact(

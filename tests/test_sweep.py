@@ -110,6 +110,11 @@ def test_without_a_sweep_the_run_is_a_one_job_array() -> None:
             "[pipeline].batch_weight_grads has nothing to batch with a [sweep]",
         ),
         (
+            {"grid": {"lr": [0.1]}},
+            {"pipeline": {"schedule": "interleaved", "virtual": 2}},
+            "[pipeline].virtual must be 1 with a [sweep]",
+        ),
+        (
             {"grid": {"lr": [0.1]}, "halving_every": -1},
             {},
             "[sweep].halving_every must be >= 0",

@@ -481,11 +481,11 @@ def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
             raise _fail(
                 src, "[data].microbatches", f"must be 1 with a [sweep] (got {data.microbatches})"
             )
-        if pipe.virtual != 1 or pipe.recompute:
+        if pipe.virtual != 1:
             raise _fail(
                 src,
-                "[pipeline]",
-                "virtual stages and recompute are not supported with a [sweep] yet",
+                "[pipeline].virtual",
+                f"must be 1 with a [sweep]: a job's block is its whole stage (got {pipe.virtual})",
             )
         if pipe.batch_weight_grads:
             raise _fail(

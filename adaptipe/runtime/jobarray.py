@@ -65,7 +65,12 @@ def plan_job_array(
         backward.append([sum(layers[i].backward_s for i in st) for st in stages])
         update.append([sum(layers[i].update_s for i in st) for st in stages])
     instance = JapspInstance.build(
-        forward, backward, names=[job.name for job in jobs], update=update
+        forward,
+        backward,
+        names=[job.name for job in jobs],
+        update=update,
+        # Recomputation re-runs a block's forward right before its backward (Eq. 6).
+        recompute=[list(row) for row in forward] if config.pipeline.recompute else None,
     )
     schedule, solution = _solve(config, instance)
     return JobArrayPlan(instance=instance, schedule=schedule, solution=solution, profiles=profiles)
