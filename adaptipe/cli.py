@@ -334,15 +334,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     if summary.stages:
         table = Table(title="per-stage time per iteration (mean)")
-        for col in ("stage", "compute ms", "waiting ms", "communication ms"):
+        states = all("resident_jobs" in st for st in summary.stages)  # a job-array
+        cols = ["stage", "compute ms", "waiting ms", "communication ms"]
+        for col in cols + (["job states resident (max)", "state wait ms"] if states else []):
             table.add_column(col, justify="right")
         for s, st in enumerate(summary.stages):
-            table.add_row(
+            cells = [
                 str(s),
                 f"{st['compute_s'] * 1e3:.1f}",
                 f"{st['wait_s'] * 1e3:.1f}",
                 f"{st['comm_s'] * 1e3:.1f}",
-            )
+            ]
+            if states:
+                cells += [f"{st['resident_jobs']:.0f}", f"{st['state_wait_s'] * 1e3:.1f}"]
+            table.add_row(*cells)
         out.print(table)
     if summary.jobs:
         ranking = Table(title="jobs ranked by validation loss")

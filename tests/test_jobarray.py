@@ -89,6 +89,14 @@ def test_every_job_of_the_array_ends_as_if_trained_alone(
     instance = json.loads((run / "japsp-instance.json").read_text())
     for job in instance["jobs"]:  # recomputation re-runs the forward: it costs as much
         assert job.get("recompute", [0.0] * 2) == (job["forward"] if recompute else [0.0] * 2)
+    # The summary shows each stage's job states on the device at most and its waits.
+    for stage in summary.stages:
+        assert stage["resident_jobs"] == (budget or 4) and stage["state_wait_s"] >= 0
+    if budget:
+        done = [json.loads(line) for line in RunDir(run).stage_metrics(0).read_text().splitlines()]
+        memory = next(r["memory"] for r in done if r.get("event") == "done")
+        assert memory["budget"] == budget and memory["peak_resident"] <= budget
+        assert memory["hits"] + memory["misses"] > 0
     schedule = RunDir(run).read_schedule()
     assert schedule.recompute == recompute
     assert any(isinstance(ins, Recompute) for ins in schedule.stages[0]) == recompute

@@ -239,6 +239,22 @@ def test_loading_on_demand_counts_a_miss_per_absent_job() -> None:
     )
 
 
+def test_take_window_reports_each_window_once() -> None:
+    order = [0, 1, 2, 3, 4, 5]
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=order, prefetch=False)
+    _simulate(binder, mm, order, iterations=1)
+    peak, wait, misses = mm.take_window()
+    assert peak == 2 and misses == 4 and wait > 0  # jobs 2-5 loaded when needed
+    _simulate(binder, mm, order, iterations=1)
+    assert mm.take_window()[2] == 4 and mm.misses == 8  # only the second window's
+    assert mm.take_window() == (2, 0.0, 0)  # nothing ran since
+    mm.close()
+    resident = MemoryManager(_binder(), budget=0, device=CPU, order=order)
+    assert resident.take_window() == (6, 0.0, 0)  # no budget: every state stays
+    resident.close()
+
+
 def test_offload_moves_into_separate_tensors_and_keeps_the_parameters() -> None:
     binder = _binder()
     params = {j: list(binder.states[j][0].params.values()) for j in range(6)}

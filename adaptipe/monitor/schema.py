@@ -216,7 +216,10 @@ class StageStats(_Record):
 
     ``forward_s[i]``/``backward_s[i]`` are for global layer ``first_layer + i``, so the
     record stays meaningful while layers migrate. Memory is the allocator's allocated
-    and reserved bytes on a GPU and the process RSS (both fields) on CPU.
+    and reserved bytes on a GPU and the process RSS (both fields) on CPU. In a job-array,
+    ``resident_jobs`` is the most job states the stage held on its device at once (all
+    of them without a memory budget; 0 outside job-arrays) and ``state_wait_s`` the time
+    its blocks waited for offloaded states to arrive.
     """
 
     TYPE: ClassVar[str] = "stage_stats"
@@ -235,6 +238,8 @@ class StageStats(_Record):
     memory_allocated_bytes: int = 0
     memory_reserved_bytes: int = 0
     loss: float | None = None
+    resident_jobs: int = 0
+    state_wait_s: float = 0.0
 
     def _check(self) -> None:
         if len(self.forward_s) != len(self.backward_s):
@@ -305,6 +310,8 @@ StageStats.SPEC = {
     "memory_allocated_bytes": _BYTES,
     "memory_reserved_bytes": _BYTES,
     "loss": _optional(_finite),
+    "resident_jobs": _num(0, 1_000_000, integer=True),
+    "state_wait_s": _SECONDS,
 }
 DeviceSample.SPEC = {
     "stage": _STAGE,

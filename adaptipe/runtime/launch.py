@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
 
+_STAGE_FIELDS = ("compute_s", "wait_s", "comm_s")  # per-stage means in the summary
+_ARRAY_FIELDS = ("resident_jobs", "state_wait_s")  # job-arrays' memory manager
+
 _KILL_GRACE_S = 3.0
 
 
@@ -219,7 +222,8 @@ class _Follower:
                 "stages": [
                     {
                         k: recs[s][k]
-                        for k in ("compute_s", "wait_s", "comm_s", "iteration_s", "in_flight")
+                        for k in (*_STAGE_FIELDS, "iteration_s", "in_flight", *_ARRAY_FIELDS)
+                        if k in recs[s]
                     }
                     for s in range(self.stages)
                 ],
@@ -580,12 +584,12 @@ def _summarise(
     stages: list[dict[str, float]] = []
     if steady:
         for s in range(len(steady[0]["stages"])):
-            stages.append(
-                {
-                    k: sum(r["stages"][s][k] for r in steady) / len(steady)
-                    for k in ("compute_s", "wait_s", "comm_s")
-                }
-            )
+            rows = [r["stages"][s] for r in steady]
+            stage = {k: sum(row[k] for row in rows) / len(rows) for k in _STAGE_FIELDS}
+            if all("resident_jobs" in row for row in rows):  # a job-array
+                stage["resident_jobs"] = max(row["resident_jobs"] for row in rows)
+                stage["state_wait_s"] = sum(row["state_wait_s"] for row in rows) / len(rows)
+            stages.append(stage)
     last = ckpt.latest(run.checkpoints)
     return TrainSummary(
         run_dir=str(run.root),

@@ -109,7 +109,8 @@ class _CpuMover:
         pairs = [(dst[k], t) for k, t in src.items()]
         self._last = self._pool.submit(_copy_all, pairs)
 
-    def load(self, src: dict[_Key, Tensor]) -> _Pending:
+    def load(self, src: dict[_Key, Tensor], after: Any = None) -> _Pending:
+        # One worker runs tasks in order: an earlier offload of ``src`` is done first.
         device = self.device
 
         def copy() -> dict[_Key, Tensor]:
@@ -151,34 +152,47 @@ class _StreamLoad:
 
 
 class _CudaMover:
-    """Copies on a dedicated stream between pinned host buffers and the device."""
+    """Copies between pinned host buffers and the device on two streams of their own.
+
+    Offloads wait for the compute queued before them (the job's step); loads wait only
+    for the offload of the same state, if one is still copying. On one stream, a
+    prefetch queued behind an offload would wait for the compute stream to reach that
+    offload, and the blocks that need it would stall on the GPU.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.offloads = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.loads = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def host_buffer(self, t: Tensor) -> Tensor:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
 
-    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the step is done
-        with torch.cuda.stream(self.stream):
+    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> torch.cuda.Event:
+        self.offloads.wait_stream(torch.cuda.current_stream(self.device))  # the step is done
+        with torch.cuda.stream(self.offloads):
             for k, t in src.items():
                 dst[k].copy_(t, non_blocking=True)
                 if t.is_cuda:
-                    t.record_stream(self.stream)  # keep the device memory until copied
+                    t.record_stream(self.offloads)  # keep the device memory until copied
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self.offloads)
+        return done
 
-    def load(self, src: dict[_Key, Tensor]) -> _Pending:
-        with torch.cuda.stream(self.stream):
+    def load(self, src: dict[_Key, Tensor], after: Any = None) -> _Pending:
+        if after is not None:  # the host copy of this state is still being written
+            self.loads.wait_event(after)
+        with torch.cuda.stream(self.loads):
             out = {k: torch.empty_like(t, device=self.device) for k, t in src.items()}
             for k, t in src.items():
                 out[k].copy_(t, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
+            event.record(self.loads)
         return _StreamLoad(out, event, self.device)
 
     def synchronize(self) -> None:
-        self.stream.synchronize()
+        self.offloads.synchronize()
+        self.loads.synchronize()
 
     def close(self) -> None:
         self.synchronize()
@@ -229,8 +243,10 @@ class MemoryManager:
         self.log: list[tuple[LogEvent, int]] = []
         self.hits = self.misses = self.prefetches = self.evictions = 0
         self.wait_s = 0.0  # time before_block spent waiting for copies
+        self._taken = (0.0, 0)  # wait_s and misses at the last take_window()
         self.resident: set[int] = set(range(num_jobs))
         self.peak_resident = num_jobs
+        self._window_peak = num_jobs  # the most resident since the last take_window()
         if not self.enabled:
             return
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -239,6 +255,7 @@ class MemoryManager:
         self._awaiting_step: set[int] = set()
         self._loading: dict[int, _Pending] = {}
         self._host_buffers: dict[int, dict[_Key, Tensor]] = {j: {} for j in range(num_jobs)}
+        self._offloaded: dict[int, Any] = {}  # job -> its offload's end (a CUDA event)
         self._mover: _CpuMover | _CudaMover = (
             _CudaMover(self.device) if self.device.type == "cuda" else _CpuMover(self.device)
         )
@@ -251,7 +268,7 @@ class MemoryManager:
             else:
                 self._offload(job)
         self._mover.synchronize()
-        self.peak_resident = len(self.resident)
+        self.peak_resident = self._window_peak = len(self.resident)
 
     # ------------------------------------------------------------------ public
     @property
@@ -303,6 +320,16 @@ class MemoryManager:
         ran = (self._clock - 1) % self._n  # the last block begun (next uses count from it)
         self._load_now(job, ran, pinned=self._open_after[ran] | self._awaiting_step | {job})
         self.misses += 1
+
+    def take_window(self) -> tuple[int, float, int]:
+        """Since the last call: the most job states resident at once (loads in flight
+        count), the seconds blocks waited for states, and the misses (states loaded only
+        when their block needed them). Resets the peak to what is resident now."""
+        wait, misses = self.wait_s - self._taken[0], self.misses - self._taken[1]
+        self._taken = (self.wait_s, self.misses)
+        peak = self._window_peak
+        self._window_peak = self._occupancy() if self.enabled else self.binder.num_jobs
+        return peak, wait, misses
 
     def begin_iteration(self) -> None:
         """Return to the first block of the order (a no-op after a complete iteration)."""
@@ -406,7 +433,9 @@ class MemoryManager:
                 if not victims:
                     break  # every resident job is needed before this one
                 self._evict(max(victims, key=lambda v: self._next_use(v, pos)))
-            self._loading[job] = self._mover.load(self._take_host(job))
+            self._loading[job] = self._mover.load(
+                self._take_host(job), after=self._offloaded.pop(job, None)
+            )
             self.prefetches += 1
             self._record("prefetch", job)
 
@@ -423,7 +452,9 @@ class MemoryManager:
             if victim in self._loading:
                 self._finish_loading(victim)
             self._evict(victim)
-        self._install(job, self._mover.load(self._take_host(job)).wait())
+        self._install(
+            job, self._mover.load(self._take_host(job), after=self._offloaded.pop(job, None)).wait()
+        )
         self.resident.add(job)
         self._record("load", job)
 
@@ -440,7 +471,9 @@ class MemoryManager:
 
     def _record(self, event: LogEvent, job: int) -> None:
         self.log.append((event, job))
-        self.peak_resident = max(self.peak_resident, self._occupancy())
+        occupancy = self._occupancy()
+        self.peak_resident = max(self.peak_resident, occupancy)
+        self._window_peak = max(self._window_peak, occupancy)
 
     # ------------------------------------------------------------------ tensors
     def _tensors(self, job: int) -> dict[_Key, Tensor]:
@@ -485,7 +518,7 @@ class MemoryManager:
             buf = buffers.get(k)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buffers[k] = self._mover.host_buffer(t)
-        self._mover.offload(src, buffers)
+        self._offloaded[job] = self._mover.offload(src, buffers)
         self._install(job, {k: buffers[k] for k in src})
 
     def _take_host(self, job: int) -> dict[_Key, Tensor]:

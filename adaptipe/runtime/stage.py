@@ -79,6 +79,11 @@ class IterationStats:
     layer_forward_s: dict[int, float] = field(default_factory=dict)
     layer_backward_s: dict[int, float] = field(default_factory=dict)
     max_in_flight: int = 0
+    # Job-arrays: the most job states resident at once, the time blocks waited for
+    # offloaded ones and how many were loaded only when needed (`MemoryManager`).
+    resident_jobs: int = 0
+    state_wait_s: float = 0.0
+    state_misses: int = 0
 
 
 @dataclass(slots=True)
@@ -404,6 +409,10 @@ class StageExecutor:
             )
         transport.flush()
         self._snapshots.clear()
+        if self.memory is not None:
+            stats.resident_jobs, stats.state_wait_s, stats.state_misses = self.memory.take_window()
+        elif self.binder is not None:
+            stats.resident_jobs = self.binder.num_jobs
         stats.wait_s, stats.comm_s = transport.take_times()
         stats.compute_s = compute
         stats.losses = losses

@@ -438,7 +438,19 @@ def _train(
                 _log(log, {"event": "checkpoint", "stage": rank, "iteration": done})
         if recorder is not None and recorder.events:  # the run ended inside the window
             recorder.write(run.trace_file(rank), iterations=(traced.start, total))
-        _log(log, {"event": "done", "stage": rank, "steps": executor.steps_done})
+        done_record: dict[str, Any] = {"event": "done", "stage": rank, "steps": executor.steps_done}
+        if state.memory is not None and state.memory.enabled:
+            mm = state.memory
+            done_record["memory"] = {
+                "budget": mm.budget,
+                "peak_resident": mm.peak_resident,
+                "hits": mm.hits,
+                "misses": mm.misses,
+                "prefetches": mm.prefetches,
+                "evictions": mm.evictions,
+                "wait_s": mm.wait_s,
+            }
+        _log(log, done_record)
 
 
 def _window_end(config: RunConfig, it: int, total: int, window: int, edges: set[int]) -> int:
@@ -475,6 +487,11 @@ def _iteration_record(
     }
     if rounds > 1:
         record["window"] = rounds
+    if stats.resident_jobs:  # a job-array
+        record["resident_jobs"] = stats.resident_jobs
+        record["state_wait_s"] = stats.state_wait_s / rounds
+        if round_index == 0:  # a window's loads on demand, counted once
+            record["state_misses"] = stats.state_misses
     group = range(round_index * per_round, (round_index + 1) * per_round)
     losses: dict[str, float] = {}
     for (j, mb), value in sorted(stats.microbatch_losses.items()):
@@ -500,6 +517,9 @@ def _per_iteration(stats: IterationStats, rounds: int) -> IterationStats:
         layer_forward_s={i: t / rounds for i, t in stats.layer_forward_s.items()},
         layer_backward_s={i: t / rounds for i, t in stats.layer_backward_s.items()},
         max_in_flight=stats.max_in_flight,
+        resident_jobs=stats.resident_jobs,
+        state_wait_s=stats.state_wait_s / rounds,
+        state_misses=stats.state_misses,
     )
 
 
@@ -680,6 +700,8 @@ def _stage_stats(
         memory_reserved_bytes=reserved,
         # A diverged job's NaN stays in the metrics log; telemetry carries numbers only.
         loss=None if stats.loss is None or math.isnan(stats.loss) else stats.loss,
+        resident_jobs=stats.resident_jobs,
+        state_wait_s=stats.state_wait_s,
     )
 
 
