@@ -24,12 +24,11 @@ from adaptipe.models import get_model
 from adaptipe.monitor.device import nvml_module, sample_device
 from adaptipe.monitor.runlog import load_run
 from adaptipe.monitor.schema import DeviceSample, StageStats
-from adaptipe.plan.partition import Partition
 from adaptipe.profile.profiler import profile_model
 from adaptipe.runtime import resolve_plans, train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.reference import train_reference
-from adaptipe.schedule.build import build_schedule
+from tests.test_jobarray import _alone, _job_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -104,22 +103,8 @@ def test_a_job_array_on_a_gpu_keeps_its_budget_and_every_job_exact(
     }
     cfg = RunConfig.from_dict(data, source="test.toml")
     summary = train(cfg)
-    tensors = _checkpoint(summary.run_dir)
-    spec = get_model(cfg.model.name, **cfg.model.config)
     for job in cfg.jobs:
-        want = train_reference(
-            spec=spec,
-            schedule=build_schedule("gpipe", stages=1, microbatches=1),
-            partition=Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=1),
-            make_optimizer=job.optimizer.build,
-            batch_size=job.batch_size,
-            iterations=4,
-            seed=job.seed,
-            data_seed=job.seed,
-        ).params
-        prefix = f"jobs.{job.index}."
-        got = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
-        _assert_close(got, want)
+        _assert_close(_job_params(summary.run_dir, job.index), _alone(cfg, job))
 
 
 def test_the_profiler_times_every_layer_on_the_gpu() -> None:
