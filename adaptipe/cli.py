@@ -336,7 +336,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         table = Table(title="per-stage time per iteration (mean)")
         states = all("resident_jobs" in st for st in summary.stages)  # a job-array
         cols = ["stage", "compute ms", "waiting ms", "communication ms"]
-        for col in cols + (["job states resident (max)", "state wait ms"] if states else []):
+        for col in cols + (["job states resident (max)", "state wait ms (host)"] if states else []):
             table.add_column(col, justify="right")
         for s, st in enumerate(summary.stages):
             cells = [

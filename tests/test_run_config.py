@@ -420,7 +420,10 @@ def test_auto_backend_is_nccl_only_with_a_gpu_per_stage(
 
 @pytest.mark.parametrize(
     ("gpus", "device", "shared"),
-    [(1, "cuda", "2 stages but torch sees 1 GPU;"), (2, "cuda:0", "all 2 stages would share")],
+    [
+        (1, "cuda", "2 stages on this host but torch sees 1 GPU;"),
+        (2, "cuda:0", "all 2 stages would share"),
+    ],
 )
 def test_nccl_with_stages_sharing_a_gpu_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: int, device: str, shared: str
@@ -435,6 +438,20 @@ def test_nccl_with_stages_sharing_a_gpu_is_an_error(
     message = str(info.value)
     assert message.startswith(f"{path}: [train].backend 'nccl' needs one GPU per stage ")
     assert shared in message and "use backend 'gloo'" in message, message
+
+
+def test_nccl_counts_the_stages_of_this_host_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrun over two hosts, one stage each: each host's single GPU is its stage's own.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    data = _minimal()
+    data["train"] |= {"device": "cuda", "backend": "auto"}
+    assert load_config(_write(tmp_path, data)).train.backend == "nccl"
+    data["train"]["backend"] = "nccl"
+    assert load_config(_write(tmp_path, data)).train.backend == "nccl"
 
 
 def test_interleaved_virtual_stages_are_checked_against_layers(tmp_path: Path) -> None:

@@ -236,8 +236,11 @@ def _job_sequences(tab: OpTable, limit: int) -> list[list[int]] | None:
     return out
 
 
-def _sequence_seeds(tab: OpTable, *, limit: int = 720, keep: int = 3) -> list[Seqs]:
-    """On small arrays, 1F1B over every distinct job order: the ``keep`` best.
+def _sequence_seeds(
+    tab: OpTable, *, limit: int = 720, keep: int = 3, deadline: float = math.inf
+) -> list[Seqs]:
+    """On small arrays, 1F1B over every distinct job order: the ``keep`` best (of those
+    scored by ``deadline``).
 
     Which jobs fill and drain the pipeline matters most on few jobs (short jobs at both
     ends, say), and a crossover rarely moves a whole job from one end to the other.
@@ -248,6 +251,8 @@ def _sequence_seeds(tab: OpTable, *, limit: int = 720, keep: int = 3) -> list[Se
     template = [one_f_one_b_order(tab.stages, tab.jobs, s) for s in range(tab.stages)]
     scored: list[tuple[float, int, Seqs]] = []
     for i, perm in enumerate(orders):
+        if scored and time.perf_counter() > deadline:
+            break
         seqs = to_seqs(tab, [[(k, perm[j]) for k, j in stage] for stage in template])
         res = semi_active(tab, seqs)
         assert res is not None
@@ -291,8 +296,10 @@ def solve_ga(
     """Run the GA within ``time_limit_s`` (population 30 unless ``population``).
 
     Ends at the time limit, after ``generations`` generations, or at the lower bound.
-    The constructive seeds (baselines, one shifting-bottleneck run) are always built, so
-    a limit below their cost (about 0.1 s for 64 jobs x 8 stages) is overrun by it.
+    The constructive seeds (baselines, one shifting-bottleneck run, and on small arrays
+    1F1B over the best job orders, scored until the deadline) are always built, also
+    for the plain GA, so a limit below their cost (about 0.1 s for 64 jobs x 8 stages)
+    is overrun by it.
     ``initial`` adds a schedule to the first population; ``local_search=False`` leaves
     out the job moves and the tabu search (a plain GA).
     """
@@ -335,7 +342,7 @@ def solve_ga(
     # random stream; the better of the two answers is returned.
     side: tuple[float, Seqs] | None = None
     side_rng = random.Random(seed ^ 0x5EED)
-    by_job_order = _sequence_seeds(tab)
+    by_job_order = _sequence_seeds(tab, deadline=deadline)
     for seqs in by_job_order if local_search else []:
         if time.perf_counter() > deadline:
             break
@@ -364,6 +371,8 @@ def solve_ga(
     best = pop[0]
     elite = max(2, size // 10)
     gen = stale = 0
+    if side is not None and side[0] <= lb + _EPS:
+        cap = 0  # the side search met the lower bound: nothing left to find
     while gen < cap and best[0] > lb + _EPS and time.perf_counter() < deadline:
         gen += 1
         nxt = pop[:elite]

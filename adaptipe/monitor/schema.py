@@ -219,7 +219,8 @@ class StageStats(_Record):
     and reserved bytes on a GPU and the process RSS (both fields) on CPU. In a job-array,
     ``resident_jobs`` is the most job states the stage held on its device at once (all
     of them without a memory budget; 0 outside job-arrays) and ``state_wait_s`` the time
-    its blocks waited for offloaded states to arrive.
+    the host waited for offloaded states before their blocks (on CUDA a late copy also
+    stalls the GPU, which only the iteration time shows).
     """
 
     TYPE: ClassVar[str] = "stage_stats"

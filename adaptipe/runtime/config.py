@@ -76,6 +76,7 @@ __all__ = [
     "RunConfig",
     "TrainSection",
     "load_config",
+    "resolve_backend",
 ]
 
 T = TypeVar("T")
@@ -451,24 +452,41 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
     if backend == "nccl" and device == "cpu":
         raise _fail(source, "[train].backend", "'nccl' needs a cuda device (got device 'cpu')")
     # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so it needs a GPU per
-    # stage: device "cuda" gives stage r cuda:r. Gloo moves CUDA tensors through host
-    # memory, so any number of stages may share GPUs (`P2PTransport`).
-    own_gpus = device == "cuda" and stages <= count
-    if backend == "nccl" and stages > 1 and not own_gpus:
+    # stage: device "cuda" gives stage r cuda:(local rank). Gloo moves CUDA tensors
+    # through host memory, so any number of stages may share GPUs (`P2PTransport`).
+    local = _stages_per_host(stages)
+    if backend == "nccl" and local > 1 and not _own_gpus(device, local, count):
         shared = (
-            f"all {stages} stages would share {device}"
+            f"all {local} stages would share {device}"
             if device != "cuda"
-            else f"{stages} stages but torch sees {count} GPU{'s' * (count != 1)}"
+            else f"{local} stages on this host but torch sees {count} GPU{'s' * (count != 1)}"
         )
         raise _fail(
             source,
             "[train].backend",
             f"'nccl' needs one GPU per stage ({shared}; NCCL refuses two ranks on one GPU); "
-            "use backend 'gloo', which moves activations through host memory, or 'auto'",
+            "use backend 'gloo', which moves activations through host memory, or 'auto' "
+            "(on several hosts, LOCAL_WORLD_SIZE gives the stages per host, as torchrun sets)",
         )
-    if backend == "auto":
-        backend = "nccl" if device.startswith("cuda") and (stages == 1 or own_gpus) else "gloo"
-    return replace(train, backend=backend)
+    return replace(train, backend=resolve_backend(backend, device, local, count))
+
+
+def _stages_per_host(stages: int) -> int:
+    """Stages on this host: torchrun's LOCAL_WORLD_SIZE, else all (`adaptipe train`)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return min(stages, int(local)) if local.isdigit() and int(local) > 0 else stages
+
+
+def _own_gpus(device: str, local_stages: int, gpus: int) -> bool:
+    return local_stages == 1 or (device == "cuda" and local_stages <= gpus)
+
+
+def resolve_backend(backend: str, device: str, local_stages: int, gpus: int) -> str:
+    """``auto``: NCCL when every stage on this host has a GPU of its own, else gloo."""
+    if backend != "auto":
+        return backend
+    cuda = device.startswith("cuda")
+    return "nccl" if cuda and _own_gpus(device, local_stages, gpus) else "gloo"
 
 
 def _check_cross(config: RunConfig, spec: ModelSpec) -> None:

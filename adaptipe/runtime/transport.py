@@ -213,6 +213,10 @@ class P2PTransport:
 
     def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None:
         """Post a non-blocking send; the tensor is kept alive until it completes."""
+        if self._staged:
+            # Waits for the GPU to compute the tensor, then copies it: before t0, so the
+            # link's busy time and comm_s do not count the producing block's compute.
+            tensor = tensor.detach().to(self.wire)
         t0 = time.perf_counter()
         ready = None  # on CUDA: when the device has computed what was queued before
         if self._links is not None and not self._watch_waits:
@@ -221,8 +225,6 @@ class P2PTransport:
         if self.throttle is not None:
             latency, bandwidth = self.throttle
             time.sleep(latency + tensor.numel() * tensor.element_size() / bandwidth)
-        if self._staged:  # waits for the GPU to compute the tensor, then copies it
-            tensor = tensor.detach().to(self.wire)
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))

@@ -36,7 +36,7 @@ from adaptipe.models import get_model
 from adaptipe.monitor.publisher import Publisher
 from adaptipe.monitor.schema import StageStats
 from adaptipe.plan.partition import Partition
-from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.config import RunConfig, resolve_backend
 from adaptipe.runtime.control import ActiveFollower, ActiveSet, is_rung
 from adaptipe.runtime.data import BatchStream, loss_scale, split_microbatches
 from adaptipe.runtime.memory import MemoryManager, block_order
@@ -106,9 +106,10 @@ def _device(config: RunConfig, local_rank: int) -> torch.device:
 
 
 def _backend(config: RunConfig, device: torch.device) -> str:
-    if config.train.backend != "auto":
-        return config.train.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    """The config's backend (parsing resolves ``auto``; this is for configs that did not)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    return resolve_backend(config.train.backend, config.train.device, local, gpus)
 
 
 def _negotiate_shapes(
@@ -300,6 +301,8 @@ def _train(
     executor.set_boundary_specs(
         _negotiate_shapes(executor, schedule, rank, first_inputs, device, wire)
     )
+    if state.memory is not None:
+        state.memory.take_window()  # loads for the shape probe are not the first window's
     executor.steps_done = steps
     total = config.iterations_total(len(dataset))
     every = config.train.checkpoint_every
