@@ -343,8 +343,10 @@ def solve_ga(
     side: tuple[float, Seqs] | None = None
     side_rng = random.Random(seed ^ 0x5EED)
     by_job_order = _sequence_seeds(tab, deadline=deadline)
-    for seqs in by_job_order if local_search else []:
-        if time.perf_counter() > deadline:
+    # The best order gets three tries (tabu's tie-breaks are random), the others one.
+    starts = [*by_job_order[:1], *by_job_order[:1], *by_job_order]
+    for seqs in starts if local_search else []:
+        if time.perf_counter() > deadline or (side is not None and side[0] <= lb + _EPS):
             break
         found, _, mk, used = tabu_search(
             tab, [list(s) for s in seqs], iters=ts_iters, rng=side_rng, floor=lb, deadline=deadline
