@@ -612,7 +612,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stop", help="stop jobs of a running job-array (the others keep training)")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the running array")
-    p.add_argument("jobs", nargs="+", metavar="JOB", help="job names or indices in the sweep")
+    p.add_argument(
+        "jobs",
+        nargs="+",
+        metavar="JOB",
+        help='job names or indices in the sweep (a name wins: a job may be named "3")',
+    )
     p.add_argument("--reason", default="user", help="recorded with the stop (default: user)")
     p.set_defaults(func=_cmd_stop)
 

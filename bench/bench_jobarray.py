@@ -6,7 +6,9 @@ sequential training of J identical-size jobs runs at one job's throughput. adapt
 the J jobs as one job-array through one 2-stage pipeline (each job's mini-batch one
 block, block order from the JAPSP solver, ``--windows`` iterations scheduled as one
 window). Limit: one single-thread process times 2. Each contender is paired with a
-single-process run just before it. Prints one JSON object.
+single-process run just before it; with ``--repeats`` above 1, each round also runs
+the best peer again and ``over_peer_same_round`` is the median of the array's samples/s
+over that round's peer's. Prints one JSON object.
 
     python bench/bench_jobarray.py [--jobs 4,8] [--iterations 12] [--windows 1,4]
 """
@@ -143,16 +145,23 @@ def main() -> None:
     peer_x = [best["x_single"]] if args.repeats == 1 else []
     array_x: dict[tuple[int, int], list[float]] = {key: [] for key in arrays}
     ceiling_x: list[float] = []
+    # Each round's array samples/s over the same round's peer samples/s: a direct ratio
+    # of two runs minutes apart, free of the single-process references' noise.
+    direct: dict[tuple[int, int], list[float]] = {key: [] for key in arrays}
     for rnd in range(args.repeats):
+        peer_sps = None
         if args.repeats > 1:
             got = _paired(peer(best["schedule"], best["microbatches"]), common)
             peer_x.append(got["x_single"])
+            peer_sps = got["samples_per_s"]
             print(json.dumps({"round": rnd, "peer": got}), file=sys.stderr)
         ceiling = _paired(lambda: run_concurrent_singles(2, **common)["samples_per_s"], common)
         ceiling_x.append(ceiling["x_single"])
         for key in arrays:
             got = _paired(array(*key), common)
             array_x[key].append(got["x_single"])
+            if peer_sps is not None:
+                direct[key].append(got["samples_per_s"] / peer_sps)
             print(
                 json.dumps({"round": rnd, "jobs": key[0], "window": key[1], **got}), file=sys.stderr
             )
@@ -168,6 +177,10 @@ def main() -> None:
                 "x_single": x,
                 "x_single_rounds": xs,
                 "over_best_peer": x / peer_med,
+                "over_peer_same_round": statistics.median(direct[(jobs, window)])
+                if direct[(jobs, window)]
+                else None,
+                "over_peer_same_round_rounds": direct[(jobs, window)],
                 "x_limit": x / 2,
                 # Two independent single-thread trainings at once: what 2 busy processes
                 # get from this machine (memory bandwidth, caches), next to the nominal

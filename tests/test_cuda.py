@@ -10,6 +10,7 @@ that the profiler and the GPU interference injector work on a real device.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ from adaptipe.profile.profiler import profile_model
 from adaptipe.runtime import resolve_plans, train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.reference import train_reference
+from adaptipe.runtime.rundir import RunDir
 from tests.test_jobarray import _alone, _job_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -105,6 +107,12 @@ def test_a_job_array_on_a_gpu_keeps_its_budget_and_every_job_exact(
     summary = train(cfg)
     for job in cfg.jobs:
         _assert_close(_job_params(summary.run_dir, job.index), _alone(cfg, job))
+    for stage in range(2):  # the manager's totals, from each stage's done record
+        lines = RunDir(summary.run_dir).stage_metrics(stage).read_text().splitlines()
+        done = next(r for r in map(json.loads, lines) if r.get("event") == "done")
+        memory = done["memory"]
+        assert memory["budget"] == 2 and memory["peak_resident"] <= 2
+        assert memory["evictions"] > 0 and memory["prefetches"] + memory["misses"] > 0
 
 
 def test_the_profiler_times_every_layer_on_the_gpu() -> None:

@@ -297,6 +297,14 @@ def test_bnb_proves_generated_five_by_four_arrays(seed: int) -> None:
     assert result.optimal and result.gap == 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not cpsat_available(), reason="ortools (adaptipe[cpsat]) is not installed")
+@pytest.mark.parametrize("seed", sorted(PAPER_SIX_BY_FOUR_OPTIMA))
+def test_cpsat_proves_the_paper_workload_optima_these_tests_use(seed: int) -> None:
+    result = solve(generate(6, 4, seed=seed, jitter=0.0), solver="cpsat", time_limit_s=120)
+    assert result.optimal and result.makespan == PAPER_SIX_BY_FOUR_OPTIMA[seed]
+
+
 @pytest.mark.parametrize("seed", sorted(PAPER_SIX_BY_FOUR_OPTIMA))
 def test_bnb_proves_six_by_four_arrays_of_the_papers_workload(seed: int) -> None:
     # among the slowest of seeds 0-29 to prove; each takes well under a second of CPU

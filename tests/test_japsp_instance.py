@@ -111,6 +111,11 @@ def test_top_level_must_be_an_object() -> None:
         JapspInstance.from_json([1, 2], source="x.json")
 
 
+def test_build_without_jobs_says_so() -> None:
+    with pytest.raises(PlanError, match="jobs must be a non-empty list"):
+        JapspInstance.build([], [])
+
+
 def test_build_checks_its_tables_too() -> None:
     with pytest.raises(PlanError, match=r"jobs\[0\] \('job0'\): backward\[1\] must be >= 0"):
         JapspInstance.build([[1.0, 1.0]], [[1.0, -2.0]])

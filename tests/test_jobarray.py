@@ -13,35 +13,22 @@ import pytest
 import torch
 
 import adaptipe.runtime.checkpoint as ckpt
-from adaptipe.models import get_model
-from adaptipe.plan.partition import Partition
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed
-from adaptipe.runtime.reference import train_reference
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
 from adaptipe.runtime.worker import FAULT_ENV
-from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Recompute
+from tests._solo import alone_params
 
 SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"}
 
 
 def _alone(cfg: RunConfig, job: JobSpec) -> dict[str, torch.Tensor]:
-    """What the job trains alone: one process, its whole mini-batch at once."""
-    spec = get_model(cfg.model.name, **cfg.model.config)
-    result = train_reference(
-        spec=spec,
-        schedule=build_schedule("gpipe", stages=1, microbatches=1),
-        partition=Partition.even(model=spec.name, num_layers=spec.num_layers, num_stages=1),
-        make_optimizer=job.optimizer.build,
-        batch_size=job.batch_size,
-        iterations=cfg.train.iterations or 0,
-        seed=job.seed,
-        data_seed=job.seed,
-    )
-    return result.params
+    """What the job trains alone: one process, its whole mini-batch at once (`cfg` was
+    read from a resolved dict, so its ``[data].seed`` is set)."""
+    return alone_params(cfg.to_dict(), job)
 
 
 def _job_params(run_dir: str, job: int) -> dict[str, torch.Tensor]:
@@ -96,10 +83,50 @@ def test_every_job_of_the_array_ends_as_if_trained_alone(
         done = [json.loads(line) for line in RunDir(run).stage_metrics(0).read_text().splitlines()]
         memory = next(r["memory"] for r in done if r.get("event") == "done")
         assert memory["budget"] == budget and memory["peak_resident"] <= budget
-        assert memory["hits"] + memory["misses"] > 0
+        # 4 jobs through 2 places: states did leave and come back
+        assert memory["evictions"] > 0 and memory["prefetches"] + memory["misses"] > 0
     schedule = RunDir(run).read_schedule()
     assert schedule.recompute == recompute
     assert any(isinstance(ins, Recompute) for ins in schedule.stages[0]) == recompute
+
+
+@pytest.mark.parametrize("data_seed", [None, 3], ids=["data-order-per-job", "data-seed-3"])
+def test_jobs_with_own_seeds_and_optimizers_end_as_if_trained_alone(
+    make_config: Callable[..., RunConfig], data_seed: int | None
+) -> None:
+    # Seeds and optimizers differ between jobs; the reference is each job's own config
+    # run alone, whose data order follows [data].seed when set and its seed otherwise.
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        train={"iterations": 3},
+    )
+    raw = cfg.to_dict()
+    if data_seed is None:
+        del raw["data"]["seed"]
+    else:
+        raw["data"]["seed"] = data_seed
+    raw["sweep"] = {
+        "jobs": [
+            {"name": "sgd-7", "seed": 7},
+            {"name": "sgd-11", "seed": 11},
+            {"name": "adam-5", "seed": 5, "optimizer": "adam", "lr": 0.01},
+        ],
+        "memory_budget": 2,
+    }
+    cfg = RunConfig.from_dict(raw, source="test.toml")
+    assert [j.data_seed for j in cfg.jobs] == ([7, 11, 5] if data_seed is None else [3, 3, 3])
+    summary = train(cfg)
+    params = [_job_params(summary.run_dir, job.index) for job in cfg.jobs]
+    for job, got in zip(cfg.jobs, params, strict=True):
+        want = alone_params(raw, job)
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
+            )
+    # The seeds matter: the two SGD jobs differ only in their seeds and end apart.
+    assert any(not torch.allclose(params[0][k], params[1][k]) for k in params[0])
 
 
 def test_windows_end_at_checkpoints_and_keep_every_job_exact(

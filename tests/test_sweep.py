@@ -70,6 +70,27 @@ def test_without_a_sweep_the_run_is_a_one_job_array() -> None:
     cfg = RunConfig.from_dict(data, source="x.toml")
     (job,) = cfg.jobs
     assert job.batch_size == 16 and job.seed == 5 and job.optimizer == cfg.optimizer
+    assert job.data_seed == cfg.data.seed == 5  # the data order follows [train].seed
+
+
+@pytest.mark.parametrize(
+    ("data", "want"),
+    [
+        pytest.param({}, [5, 9, 1], id="no-data-seed: each job's own seed"),
+        pytest.param({"seed": 3}, [3, 3, 1], id="data-seed-3: as alone, the config's"),
+    ],
+)
+def test_a_jobs_data_order_follows_the_config_as_if_it_trained_alone(
+    data: dict[str, Any], want: list[int]
+) -> None:
+    # Alone, a job's config would set [train].seed to the job's seed; its data order then
+    # follows [data].seed where the config sets one, and [train].seed otherwise.
+    jobs = [{"name": "a"}, {"name": "b", "seed": 9}, {"name": "c", "seed": 4, "data_seed": 1}]
+    cfg = _config({"jobs": jobs}, data=data)
+    assert [j.seed for j in cfg.jobs] == [5, 9, 4]
+    assert [j.data_seed for j in cfg.jobs] == want
+    again = RunConfig.from_dict(cfg.to_dict(), source="sweep.toml")  # config.json
+    assert again.jobs == cfg.jobs
 
 
 @pytest.mark.parametrize(
@@ -118,6 +139,23 @@ def test_without_a_sweep_the_run_is_a_one_job_array() -> None:
             {"grid": {"lr": [0.1]}, "halving_every": -1},
             {},
             "[sweep].halving_every must be >= 0",
+        ),
+        (
+            {"grid": {"lr": [0.1]}, "budget": 2},
+            {},
+            "[sweep].budget is not a field (allowed: grid, jobs, solver, memory_budget",
+        ),
+        ({"grid": {}}, {}, "[sweep.grid] must be a table of lists"),
+        ({"grid": {"lr": [0.1]}, "memory_budget": -1}, {}, "[sweep].memory_budget must be >= 0"),
+        ({"grid": {"lr": [0.1]}, "window": 0}, {}, "[sweep].window must be >= 1"),
+        ({"grid": {"lr": [0.1]}, "time_limit_s": 0}, {}, "[sweep].time_limit_s must be > 0"),
+        ({"grid": {"seed": [-1]}}, {}, "seed must be >= 0"),
+        ({"grid": {"betas": [[0.9, 0.99]]}}, {}, "[sweep.grid].betas is not a field"),
+        (
+            {"jobs": [{"lr": 0.1, "dropout": 0.1}]},
+            {},
+            "(allowed: name, lr, batch_size, weight_decay, momentum, optimizer, seed, data_seed, "
+            "nesterov, betas, eps)",
         ),
     ],
 )

@@ -199,10 +199,10 @@ def _vector(raw: Any, stages: int, *, where: str, key: str) -> Vec:
 def check_tables(inst: JapspInstance, *, source: str) -> None:
     """Shapes, finiteness, signs and unique names; the message names job and field."""
     stages, names = inst.num_stages, inst.names
+    if not names:  # first: without jobs, `build` cannot tell the stage count either
+        raise PlanError(f"{source}: jobs must be a non-empty list of job objects")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise PlanError(f"{source}: stages must be an integer >= 1 (got {stages!r})")
-    if not names:
-        raise PlanError(f"{source}: jobs must be a non-empty list of job objects")
     seen: dict[str, int] = {}
     for j, name in enumerate(names):
         if name in seen:

@@ -10,6 +10,9 @@ are the structure's own parameters, so a one-job array costs nothing extra.
 Each job's layer ``i`` is built from the job's own seed, exactly as training that job
 alone would build it, and gets its own optimizer (one per job and layer), so its state
 can travel with the layer later (migration) and be saved under global keys.
+
+Layers with buffers (batch-norm statistics, say) are refused: a block would run on job
+0's buffers and update them for every job, so the jobs would no longer train as alone.
 """
 
 from __future__ import annotations
@@ -20,9 +23,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from adaptipe.errors import PlanError
 from adaptipe.runtime.sweep import JobSpec
 
-__all__ = ["Binder", "JobLayerState"]
+__all__ = ["Binder", "JobLayerState", "refuse_buffers"]
+
+
+def refuse_buffers(index: int, module: nn.Module) -> None:
+    """Raise `PlanError` when layer ``index`` has buffers (see the module doc)."""
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        raise PlanError(
+            f"layer {index} ({type(module).__name__}) has buffers ({', '.join(buffers)}): "
+            "job-arrays hold per-job parameters and optimizer state only, so a [sweep] "
+            "cannot train this model"
+        )
 
 
 @dataclass(slots=True)
@@ -59,6 +74,7 @@ class Binder:
             per_layer: dict[int, JobLayerState] = {}
             for index in self.layers:
                 module = build_layer(index, job.seed)
+                refuse_buffers(index, module)
                 params = dict(module.named_parameters())
                 opt = make_optimizer(job, list(params.values())) if params else None
                 per_layer[index] = JobLayerState(params=params, optimizer=opt)

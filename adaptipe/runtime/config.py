@@ -226,6 +226,7 @@ class RunConfig:
                 optimizer=self.optimizer,
                 batch_size=self.data.batch_size,
                 seed=self.train.seed,
+                data_seed=self.data.seed,
             ),
         )
 
@@ -353,6 +354,7 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
             batch_size=data_section.batch_size,
             seed=train.seed,
             parse_optimizer=_optimizer,
+            data_seed=data_section.seed if "seed" in raw else None,
         )
     config = RunConfig(
         model=model,

@@ -184,14 +184,14 @@ def _resolve_jobs(config: RunConfig, jobs: Sequence[int | str], where: str) -> l
     names = {job.name: job.index for job in config.jobs}
     out: list[int] = []
     for job in jobs:
-        if isinstance(job, int) or (isinstance(job, str) and job.isdigit()):
+        if isinstance(job, str) and job in names:  # a name first: a job may be named "3"
+            index = names[job]
+        elif isinstance(job, int) or (isinstance(job, str) and job.isdigit()):
             index = int(job)
             if not 0 <= index < len(config.jobs):
                 raise PlanError(
                     f"{where}: job {index} is not in the array (0..{len(config.jobs) - 1})"
                 )
-        elif job in names:
-            index = names[job]
         else:
             raise PlanError(
                 f"{where}: no job named {job!r} (jobs: {', '.join(names)}; or an index)"

@@ -18,10 +18,13 @@ lr = 1e-2
 optimizer = "adam"
 ```
 
-Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed;
-the rest comes from ``[optimizer]``, ``[data].batch_size`` and ``[train].seed``. Each
-job's mini-batch is one block of the pipeline (ArrayPipe), so ``[data].microbatches``
-must be 1 with a sweep.
+Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed,
+data_seed (and, in ``[[sweep.jobs]]``, nesterov, betas, eps); the rest comes from
+``[optimizer]``, ``[data]`` and ``[train].seed``. A job trains as its config would
+alone with ``[train].seed`` set to the job's seed: ``seed`` initialises the weights,
+and the data order follows ``data_seed``, which defaults to ``[data].seed`` where the
+config sets one and to the job's seed otherwise. Each job's mini-batch is one block of
+the pipeline (ArrayPipe), so ``[data].microbatches`` must be 1 with a sweep.
 
 ``window``: one JAPSP iteration fills and drains the pipeline. A window of W
 iterations is scheduled as one (`adaptipe.japsp.window`): a job's next forward may
@@ -45,7 +48,17 @@ from adaptipe.serial import get_float, get_int, get_list, get_str
 
 __all__ = ["JOB_FIELDS", "SOLVER_NAMES", "JobSpec", "SweepSection", "parse_sweep"]
 
-JOB_FIELDS = ("name", "lr", "batch_size", "weight_decay", "momentum", "optimizer", "seed")
+JOB_FIELDS = (
+    "name",
+    "lr",
+    "batch_size",
+    "weight_decay",
+    "momentum",
+    "optimizer",
+    "seed",
+    "data_seed",
+)
+_JOB_ONLY_FIELDS = ("nesterov", "betas", "eps")  # [[sweep.jobs]] only, not grid axes
 SOLVER_NAMES = ("auto", "bb", "ga", "gpipe", "1f1b", "rr", "cpsat")
 _SWEEP_FIELDS = (
     "grid",
@@ -61,19 +74,26 @@ _SWEEP_FIELDS = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
-    """One sibling job: its hyper-parameters and seed (model init and data order)."""
+    """One sibling job: its hyper-parameters, weight-init ``seed`` and ``data_seed``."""
 
     index: int
     name: str
     optimizer: Any  # OptimizerSection (kept untyped here to avoid an import cycle)
     batch_size: int
     seed: int
+    data_seed: int
 
     def to_dict(self) -> dict[str, Any]:
         opt = {f.name: getattr(self.optimizer, f.name) for f in fields(self.optimizer)}
         opt["betas"] = list(opt["betas"])
         opt["optimizer"] = opt.pop("name")  # a job's "name" is the job's
-        return {**opt, "name": self.name, "batch_size": self.batch_size, "seed": self.seed}
+        return {
+            **opt,
+            "name": self.name,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "data_seed": self.data_seed,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,8 +123,13 @@ def parse_sweep(
     batch_size: int,
     seed: int,
     parse_optimizer: ParseOptimizer,
+    data_seed: int | None = None,
 ) -> SweepSection:
-    """Expand ``[sweep]`` into jobs; every error names the field and what is allowed."""
+    """Expand ``[sweep]`` into jobs; every error names the field and what is allowed.
+
+    ``seed`` is ``[train].seed``; ``data_seed`` is ``[data].seed`` where the config sets
+    it (None otherwise: each job's data order then follows its own seed).
+    """
     if not isinstance(raw, Mapping):
         raise PlanError(f"{source}: [sweep] must be a table")
     for key in raw:
@@ -118,7 +143,9 @@ def parse_sweep(
     base = {f.name: getattr(optimizer, f.name) for f in fields(optimizer)}
     jobs: list[JobSpec] = []
     for index, (entry, where) in enumerate(entries):
-        jobs.append(_job(index, entry, where, source, base, batch_size, seed, parse_optimizer))
+        jobs.append(
+            _job(index, entry, where, source, base, batch_size, seed, data_seed, parse_optimizer)
+        )
     names = [job.name for job in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
@@ -172,10 +199,11 @@ def _jobs(raw: Mapping[str, Any], source: str) -> list[tuple[dict[str, Any], str
     for i, job in enumerate(jobs):
         if not isinstance(job, Mapping):
             raise PlanError(f"{source}: [[sweep.jobs]][{i}] must be a table")
-        extra = sorted(set(job) - set(JOB_FIELDS) - {"nesterov", "betas", "eps"})
+        extra = sorted(set(job) - set(JOB_FIELDS) - set(_JOB_ONLY_FIELDS))
         if extra:
+            allowed = ", ".join((*JOB_FIELDS, *_JOB_ONLY_FIELDS))
             raise PlanError(
-                f"{source}: [[sweep.jobs]][{i}].{extra[0]} is not a field (allowed: {', '.join(JOB_FIELDS)})"
+                f"{source}: [[sweep.jobs]][{i}].{extra[0]} is not a field (allowed: {allowed})"
             )
         entry = dict(job)
         entry.setdefault("name", f"job{i}")
@@ -191,6 +219,7 @@ def _job(
     base: dict[str, Any],
     batch_size: int,
     seed: int,
+    data_seed: int | None,
     parse_optimizer: ParseOptimizer,
 ) -> JobSpec:
     opt = dict(base)
@@ -210,10 +239,19 @@ def _job(
         ) from None
     kw: dict[str, Any] = {"source": source, "prefix": f"{where}."}
     name = get_str(entry, "name", **kw)
+    job_seed = get_int(entry, "seed", minimum=0, default=seed, **kw)
     return JobSpec(
         index=index,
         name=name,
         optimizer=optimizer,
         batch_size=get_int(entry, "batch_size", minimum=1, default=batch_size, **kw),
-        seed=get_int(entry, "seed", minimum=0, default=seed, **kw),
+        seed=job_seed,
+        # As alone: [data].seed where the config sets one, else the job's own seed.
+        data_seed=get_int(
+            entry,
+            "data_seed",
+            minimum=0,
+            default=job_seed if data_seed is None else data_seed,
+            **kw,
+        ),
     )

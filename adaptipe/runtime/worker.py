@@ -246,13 +246,13 @@ def _train(
     holds_last = schedule.place(last)[0] == rank
     dataset = spec.dataset(split=config.data.split)
     m = schedule.num_microbatches
-    # Each job reads its own data stream: its batch size, and (in a sweep) its seed.
+    # Each job reads its own data stream: its batch size and data seed.
     streams = (
         [
             BatchStream(
                 dataset,
                 batch_size=job.batch_size,
-                seed=config.data.seed if config.sweep is None else job.seed,
+                seed=job.data_seed,
                 start_iteration=start,
             )
             for job in jobs
