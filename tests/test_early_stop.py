@@ -25,6 +25,7 @@ from adaptipe.runtime import prepare, train
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.config import OptimizerSection, RunConfig
 from adaptipe.runtime.control import (
+    ActiveFollower,
     ActiveSet,
     JobController,
     _resolve_jobs,
@@ -254,6 +255,26 @@ def test_controller_replans_for_the_remaining_jobs(prepared: tuple[RunDir, RunCo
 def _control_events(run_dir: str) -> list[dict[str, Any]]:
     path = Path(run_dir) / "control.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_follower_never_goes_back_to_an_older_version(
+    prepared: tuple[RunDir, RunConfig],
+) -> None:
+    run, cfg = prepared
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    controller = JobController(run, cfg, instance, total=4)
+    follower = ActiveFollower(run, cfg, rank=0, total=4, device="cpu", wait_s=1.0)
+    first = follower.at_boundary(0)
+    assert first is not None and first.version == 0 and follower.at_boundary(1) is None
+    stop_jobs(run.root, [2])
+    controller.poll()
+    switched = follower.at_boundary(2)
+    assert switched is not None and switched.version == 1 and switched.jobs == (0, 1, 3)
+    # A torn or unreadable active.json reads as version 0: the follower stays on 1.
+    (run.root / "control" / "active.json").write_text("{")
+    assert current_version(run) == 0
+    assert follower.at_boundary(3) is None and follower.active is not None
+    assert follower.active.version == 1
 
 
 def test_a_user_stop_mid_run_leaves_the_siblings_exact(

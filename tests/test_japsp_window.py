@@ -166,3 +166,26 @@ def test_within_the_budget_beats_a_shorter_order_over_it() -> None:
             max(minimum_budget(block_order(p)) for p in window_schedule(inst, window).stages) == 2
         )
     assert best_window(inst, gpipe, 1)[0] == tuple(tuple(s) for s in gpipe)  # no budget
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(inst=instances(max_jobs=4, max_stages=4), data=st.data())
+def test_any_budget_of_one_or_more_gets_a_window_within_it(
+    inst: JapspInstance, data: st.DataObject
+) -> None:
+    # Few jobs left on many stages (after early stops, say): 1F1B itself keeps S jobs
+    # in flight on stage 0, so the fallback orders must keep the array runnable.
+    budget = data.draw(st.integers(1, max(1, inst.num_jobs - 1)), label="budget")
+    rounds = data.draw(st.integers(1, 3), label="rounds")
+    orders, window = best_window(inst, solve(inst, solver="gpipe").orders, rounds, budget=budget)
+    evaluate(inst, orders)  # a feasible round order
+    schedule = window_schedule(inst, window)
+    validate(schedule)
+    assert max(minimum_budget(block_order(p)) for p in schedule.stages) <= budget
+
+
+def test_one_job_in_flight_runs_jobs_one_after_another_on_three_stages() -> None:
+    inst = JapspInstance.build([[1.0, 1.0, 1.0]] * 3, [[2.0, 2.0, 2.0]] * 3)
+    orders, _ = best_window(inst, one_f_one_b_orders(inst).orders, 2, budget=1)
+    for stage in orders:
+        assert [f"{k}{j}" for k, j in stage] == ["F0", "B0", "F1", "B1", "F2", "B2"]

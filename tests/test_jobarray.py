@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.monitor.runlog import load_run
+from adaptipe.monitor.schema import StageStats
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed
@@ -158,6 +160,15 @@ def test_windows_end_at_checkpoints_and_keep_every_job_exact(
     solution = json.loads((run / "japsp-solution.json").read_text())
     assert solution["window"]["rounds"] == 4
     assert solution["window"]["per_iteration"] <= solution["makespan"] + 1e-12
+    # Telemetry has one record per iteration with its window's means: the loss is the
+    # mean over jobs and the window's rounds of what the metrics log per iteration.
+    metrics = {m["iteration"]: m["loss"] for m in RunDir(run).read_metrics()}
+    telemetry = [r for r in load_run(run).records if isinstance(r, StageStats) and r.stage == 1]
+    assert telemetry
+    for r in telemetry:
+        lo, hi = next((a, b) for a, b in ((0, 3), (3, 6), (6, 7)) if a <= r.iteration < b)
+        want = sum(metrics[i] for i in range(lo, hi)) / (hi - lo)
+        assert r.loss == pytest.approx(want), r.iteration
     for job in cfg.jobs:
         got, want = _job_params(summary.run_dir, job.index), _alone(cfg, job)
         for name in want:

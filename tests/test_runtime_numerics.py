@@ -13,9 +13,12 @@ import torch
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.models import get_model
+from adaptipe.monitor.runlog import load_run
+from adaptipe.monitor.schema import StageStats
 from adaptipe.runtime import resolve_plans, train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.reference import train_reference
+from adaptipe.runtime.rundir import RunDir
 
 
 def _final_params(run_dir: str) -> dict[str, torch.Tensor]:
@@ -96,6 +99,15 @@ def test_synchronous_pipeline_matches_single_process(
     summary = train(cfg)
     assert summary.iterations == 3
     _assert_same(_final_params(summary.run_dir), _reference(cfg))
+    # The last stage's telemetry reports the mini-batch loss the metrics log has (the
+    # mean of its micro-batches' losses, not their sum).
+    metrics = {m["iteration"]: m["loss"] for m in RunDir(summary.run_dir).read_metrics()}
+    telemetry = [
+        r
+        for r in load_run(summary.run_dir).records
+        if isinstance(r, StageStats) and r.stage == stages - 1
+    ]
+    assert telemetry and all(r.loss == pytest.approx(metrics[r.iteration]) for r in telemetry)
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,10 @@ def best_window(
     round can start while the pipeline drains. With a memory ``budget`` (job states
     resident per stage, 0 = all), orders that keep no more jobs in flight than the
     budget come first, whatever their makespan (the solver does not see the budget),
-    then the fewest jobs over it. Ties keep the earlier candidate.
+    then the fewest jobs over it. When every candidate is over the budget (few jobs
+    left after early stops, say), 1F1B with its warm-up cut to ``budget - 1`` forwards
+    and GPipe in groups of ``budget`` jobs join: both keep within any budget. Ties keep
+    the earlier candidate.
     """
     from adaptipe.japsp.baselines import gpipe_orders, one_f_one_b_orders, round_robin_orders
 
@@ -133,6 +136,8 @@ def best_window(
         candidates += [
             f(inst).orders for f in (one_f_one_b_orders, round_robin_orders, gpipe_orders)
         ]
+    if budget > 0 and all(over(cand) for cand in candidates):
+        candidates += _within_budget(inst.num_stages, inst.num_jobs, budget)
     best: tuple[int, float, Orders, Window] | None = None
     for cand in candidates:
         window = unroll(tab, cand, rounds, budget=budget)
@@ -141,6 +146,25 @@ def best_window(
             best = (*key, tuple(tuple(parse_block(b) for b in stage) for stage in cand), window)
     assert best is not None
     return best[2], best[3]
+
+
+def _within_budget(stages: int, jobs: int, budget: int) -> list[list[list[tuple[str, int]]]]:
+    """Orders with at most ``budget`` jobs in flight on every stage: 1F1B whose warm-up
+    runs at most ``budget - 1`` forwards, and GPipe over groups of ``budget`` jobs."""
+    capped = []
+    for s in range(stages):
+        warm = min(stages - s - 1, budget - 1, jobs)
+        order = [("F", j) for j in range(warm)]
+        for b in range(jobs):  # then one forward (while any is left), one backward
+            if warm + b < jobs:
+                order.append(("F", warm + b))
+            order.append(("B", b))
+        capped.append(order)
+    grouped: list[tuple[str, int]] = []
+    for first in range(0, jobs, budget):
+        group = range(first, min(first + budget, jobs))
+        grouped += [("F", j) for j in group] + [("B", j) for j in group]
+    return [capped, [list(grouped) for _ in range(stages)]]
 
 
 class _Merge:

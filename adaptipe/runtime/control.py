@@ -393,6 +393,8 @@ class ActiveFollower:
             if many and is_rung(self.config, iteration, self.total):
                 self._wait_for_rung(iteration)
             version = current_version(self.run)
+            if self.active is not None:  # versions only go forward (a torn read says 0)
+                version = max(version, self.active.version)
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(box, src=0)

@@ -418,7 +418,11 @@ class StageExecutor:
         stats.losses = losses
         stats.layer_forward_s = self._layer_fwd
         stats.layer_backward_s = self._layer_bwd
-        stats.loss = sum(losses.values()) if losses else None
+        # The mean over jobs of each job's mean micro-batch loss (over a window's rounds too).
+        counts: dict[int, int] = {}
+        for j, _ in stats.microbatch_losses:
+            counts[j] = counts.get(j, 0) + 1
+        stats.loss = sum(losses[j] / counts[j] for j in losses) / len(losses) if losses else None
         stats.iteration_s = time.perf_counter() - t_start
         return stats
 

@@ -516,7 +516,7 @@ def _per_iteration(stats: IterationStats, rounds: int) -> IterationStats:
         wait_s=stats.wait_s / rounds,
         comm_s=stats.comm_s / rounds,
         iteration_s=stats.iteration_s / rounds,
-        loss=None if stats.loss is None else stats.loss / rounds,
+        loss=stats.loss,  # already a mean over the window's rounds
         layer_forward_s={i: t / rounds for i, t in stats.layer_forward_s.items()},
         layer_backward_s={i: t / rounds for i, t in stats.layer_backward_s.items()},
         max_in_flight=stats.max_in_flight,
