@@ -29,6 +29,7 @@ from adaptipe.runtime.control import (
     ActiveSet,
     JobController,
     _resolve_jobs,
+    adoptions,
     current_version,
     halving_survivors,
     is_rung,
@@ -36,9 +37,11 @@ from adaptipe.runtime.control import (
     remap_jobs,
     stop_jobs,
 )
+from adaptipe.runtime.launch import StageFailed
 from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
+from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.types import Backward, Forward
 from adaptipe.schedule.validate import validate
 from adaptipe.serial import load_json_file
@@ -275,6 +278,34 @@ def test_a_follower_never_goes_back_to_an_older_version(
     assert current_version(run) == 0
     assert follower.at_boundary(3) is None and follower.active is not None
     assert follower.active.version == 1
+    assert adoptions(run) == {1: 2}  # rank 0 recorded where it switched
+
+
+def test_a_resumed_follower_replays_the_recorded_switches(
+    prepared: tuple[RunDir, RunConfig],
+) -> None:
+    # Before a crash: job 2 stopped at iteration 6 (version 1), job 0 requested later
+    # (version 2) but never adopted. Resumed from a checkpoint at 4: version 0 until 6,
+    # version 1 from 6 on (a window ends there), then version 2 at the next boundary.
+    run, cfg = prepared
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    controller = JobController(run, cfg, instance, total=12)
+    stop_jobs(run.root, [2])
+    controller.poll()
+    (run.root / "control" / "adopted-0001.json").write_text('{"version": 1, "iteration": 6}')
+    stop_jobs(run.root, [0])
+    controller.poll()
+    assert current_version(run) == 2
+    follower = ActiveFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
+    assert follower.replay_edges(4) == {6} and follower.replay_edges(6) == set()
+    got = follower.at_boundary(4)
+    assert got is not None and got.version == 0
+    assert follower.at_boundary(5) is None
+    got = follower.at_boundary(6)
+    assert got is not None and got.version == 1 and got.jobs == (0, 1, 3)
+    got = follower.at_boundary(8)
+    assert got is not None and got.version == 2 and got.jobs == (1, 3)
+    assert adoptions(run) == {1: 6, 2: 8}
 
 
 def test_a_user_stop_mid_run_leaves_the_siblings_exact(
@@ -306,6 +337,41 @@ def test_a_user_stop_mid_run_leaves_the_siblings_exact(
     ]
     assert metrics[-1]["samples"] == 3 * 16
     assert [e["event"] for e in _control_events(summary.run_dir)] == ["stop"]
+
+
+def test_a_run_resumed_after_a_stop_and_a_crash_ends_as_uninterrupted(
+    make_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Job 1 is stopped by hand early on (at iteration k); stage 1 fails at iteration 25;
+    # the run resumes from its checkpoint at 20. Job 1 ends after its k iterations, its
+    # siblings after 40, and the summary still says when job 1 stopped.
+    cfg = _array(make_config, 40, window=2)
+    cfg = RunConfig.from_dict(
+        {**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "checkpoint_every": 10}},
+        source="test.toml",
+    )
+    asked: list[int] = []
+
+    def on_iteration(rec: dict[str, Any], total: int) -> None:
+        if rec["iteration"] == 2 and not asked:
+            asked.extend(stop_jobs(cfg.train.run_dir, ["lr=0.1"], reason="by hand"))
+
+    monkeypatch.setenv(FAULT_ENV, "1:25")
+    with pytest.raises(StageFailed, match="InjectedFault"):
+        train(cfg, on_iteration=on_iteration)
+    monkeypatch.delenv(FAULT_ENV)
+    run = RunDir(cfg.train.run_dir)
+    (k,) = adoptions(run).values()
+    assert asked == [1] and 3 <= k < 25
+    summary = train(cfg, run_dir=cfg.train.run_dir, resume=True)
+    assert summary.start_iteration == 20
+    rows = {row["job"]: row for row in summary.jobs}
+    assert rows[1]["stopped"]["iteration"] == k and rows[1]["stopped"]["reason"] == "by hand"
+    assert rows[1]["train_loss"] is not None  # from before the resume
+    assert all("stopped" not in rows[j] for j in (0, 2, 3))
+    _assert_alone(cfg, summary.run_dir, cfg.jobs[1], k)
+    for j in (0, 2, 3):
+        _assert_alone(cfg, summary.run_dir, cfg.jobs[j], 40)
 
 
 @pytest.mark.parametrize("budget", [0, 2], ids=["all-resident", "budget-2-of-4"])

@@ -14,12 +14,19 @@ Files under ``RUN_DIR/control/``::
     requests/stop-*.json   one per stop request: {"jobs": [...], "reason": ...}
     active-NNNN.json       active set version N: jobs, stopped jobs, schedule (immutable)
     active.json            {"version": N}: the newest version (the commit point)
+    adopted-NNNN.json      {"version": N, "iteration": I}: the workers switched to
+                           version N at the boundary before iteration I
     rung-NNNNNN.json       successive halving decided at that iteration: {"version": N}
 
 Rank 0 reads ``active.json`` at each window boundary and broadcasts the version, so
 every worker switches at the same boundary; each then reads the immutable version
 file. At a halving rung rank 0 first waits for the manager's decision, which makes the
 set of survivors (and the iteration they are decided at) deterministic.
+
+A run resumed from a checkpoint replays the recorded switches: each version comes into
+force at the iteration it did before (windows end there), so a job stopped after the
+checkpoint trains up to its stop again, as it did, and the run ends as an
+uninterrupted one would. Versions committed but never adopted are taken up afterwards.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ __all__ = [
     "ActiveFollower",
     "ActiveSet",
     "JobController",
+    "adoptions",
     "current_version",
     "halving_survivors",
     "is_rung",
@@ -130,6 +138,22 @@ def _control(run: RunDir) -> Path:
 
 def _version_path(run: RunDir, version: int) -> Path:
     return _control(run) / f"active-{version:04d}.json"
+
+
+def _adopted_path(run: RunDir, version: int) -> Path:
+    return _control(run) / f"adopted-{version:04d}.json"
+
+
+def adoptions(run: RunDir) -> dict[int, int]:
+    """``{version: iteration}``: when the workers switched to each version (not 0)."""
+    out: dict[int, int] = {}
+    for path in sorted(_control(run).glob("adopted-*.json")):
+        try:
+            data = read_json(path)
+            out[int(data["version"])] = int(data["iteration"])
+        except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{path}: not an adoption record ({exc})") from None
+    return out
 
 
 def _rung_path(run: RunDir, iteration: int) -> Path:
@@ -382,6 +406,12 @@ class ActiveFollower:
         self.device = device
         self.wait_s, self.poll_s = wait_s, poll_s
         self.active: ActiveSet | None = None
+        # Switches made before (a resumed run replays them); rank 0 adds new ones.
+        self.history = adoptions(run)
+
+    def replay_edges(self, start: int) -> set[int]:
+        """Iterations after ``start`` where a recorded switch happens (windows end there)."""
+        return {it for it in self.history.values() if it > start}
 
     def at_boundary(self, iteration: int) -> ActiveSet | None:
         import torch
@@ -389,18 +419,26 @@ class ActiveFollower:
 
         version = -1
         if self.rank == 0:
-            many = self.active is None or len(self.active.jobs) > 1
-            if many and is_rung(self.config, iteration, self.total):
-                self._wait_for_rung(iteration)
-            version = current_version(self.run)
-            if self.active is not None:  # versions only go forward (a torn read says 0)
-                version = max(version, self.active.version)
+            if any(it >= iteration for it in self.history.values()):  # replaying
+                version = max((v for v, it in self.history.items() if it <= iteration), default=0)
+            else:
+                many = self.active is None or len(self.active.jobs) > 1
+                if many and is_rung(self.config, iteration, self.total):
+                    self._wait_for_rung(iteration)
+                version = current_version(self.run)
+                if self.active is not None:  # versions only go forward (a torn read says 0)
+                    version = max(version, self.active.version)
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(box, src=0)
         version = int(box.item())
         if self.active is not None and version == self.active.version:
             return None
+        if self.rank == 0 and version > 0 and version not in self.history:
+            write_json(
+                _adopted_path(self.run, version), {"version": version, "iteration": iteration}
+            )
+            self.history[version] = iteration
         self.active = read_active(self.run, version, self.config)
         return self.active
 

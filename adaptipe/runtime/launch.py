@@ -173,7 +173,6 @@ class _Follower:
         self.offsets = [0] * stages
         self.pending: dict[int, dict[int, dict[str, Any]]] = {}
         self.merged: list[dict[str, Any]] = []
-        self.switches: list[dict[str, Any]] = []  # active-set changes, as stage 0 saw them
         self.ready = 0
         self.last_end: float | None = None
 
@@ -192,8 +191,6 @@ class _Follower:
                 rec = json.loads(line)
                 if rec.get("event") == "ready":
                     self.ready += 1
-                elif rec.get("event") == "active" and s == 0:
-                    self.switches.append(rec)
                 elif "iteration" in rec and "event" not in rec:
                     self.pending.setdefault(rec["iteration"], {})[s] = rec
         for it in sorted(self.pending):
@@ -461,7 +458,7 @@ def _run(
     wall = time.monotonic() - t0
     summary = _summarise(run, follower.merged, start=start, wall=wall)
     if cfg.sweep is not None:
-        summary = replace(summary, jobs=_rank_jobs(run, follower.merged, follower.switches))
+        summary = replace(summary, jobs=_rank_jobs(run))
     write_json(run.summary, summary.to_json())
     return summary
 
@@ -474,24 +471,29 @@ def _controller(run: RunDir, cfg: RunConfig, total: int) -> JobController | None
     return JobController(run, cfg, instance, total=total)
 
 
-def _rank_jobs(
-    run: RunDir, merged: list[dict[str, Any]], switches: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
+def _rank_jobs(run: RunDir) -> list[dict[str, Any]]:
     """The sweep's jobs ranked by validation loss, with their last training loss and,
-    for jobs stopped early, when and why."""
-    from adaptipe.runtime.control import current_version, read_active
+    for jobs stopped early, when and why.
+
+    Read from the whole run (every launch of a resumed run): the metrics log and the
+    workers' recorded switches. A stop committed but never adopted (it came in the last
+    window) did not stop anything.
+    """
+    from adaptipe.runtime.control import adoptions, read_active
     from adaptipe.runtime.export import evaluate_jobs
 
     last: dict[str, float] = {}
-    for rec in merged:
+    for rec in run.read_metrics():  # in file order: a resumed run's records come last
         last.update(rec.get("losses") or {})
-    stopped = read_active(run, current_version(run)).stopped
+    switched = sorted(adoptions(run).items())
+    stopped = read_active(run, switched[-1][0]).stopped if switched else {}
     # The iteration a stop took effect at: the first switch whose active set lacks the job.
     took_effect: dict[int, int] = {}
-    for switch in switches:
+    for version, iteration in switched:
+        jobs = read_active(run, version).jobs
         for job in stopped:
-            if job not in switch["jobs"]:
-                took_effect.setdefault(job, int(switch["iteration"]))
+            if job not in jobs:
+                took_effect.setdefault(job, iteration)
     rows = evaluate_jobs(run.root)
     for row in rows:
         row["train_loss"] = last.get(str(row["job"]))

@@ -353,6 +353,8 @@ def _train(
         edges = {traced.start, traced.stop} if traced else set()
         if fault is not None:
             edges.add(fault[1])
+        if follower is not None:  # a resumed run switches where it did before
+            edges |= follower.replay_edges(start)
         it = start
         epoch = 0  # windows run so far (keeps consecutive windows' transfers apart)
         while it < total:
