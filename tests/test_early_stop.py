@@ -41,7 +41,7 @@ from adaptipe.runtime.launch import StageFailed
 from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.sweep import JobSpec
-from adaptipe.runtime.worker import FAULT_ENV
+from adaptipe.runtime.worker import FAULT_ENV, MANAGER_ENV, run_worker
 from adaptipe.schedule.types import Backward, Forward
 from adaptipe.schedule.validate import validate
 from adaptipe.serial import load_json_file
@@ -223,6 +223,18 @@ def test_a_job_named_like_an_index_is_found_by_its_name(
     assert _resolve_jobs(cfg, ["0", 2, "2", "job2"], "run") == [1, 2, 2, 2]
     with pytest.raises(PlanError, match=r"job 3 is not in the array \(0..2\)"):
         _resolve_jobs(cfg, ["3"], "run")
+
+
+def test_workers_without_a_manager_refuse_halving_at_once(
+    make_config: Callable[..., RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under torchrun no manager decides the rungs: fail before training, not at a rung.
+    run, _ = prepare(_array(make_config, 4, halving_every=2))
+    monkeypatch.delenv(MANAGER_ENV, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlanError, match=r"\[sweep\].halving_every = 2 needs the manager"):
+        run_worker(run.root, resume=False)
 
 
 def test_controller_replans_for_the_remaining_jobs(prepared: tuple[RunDir, RunConfig]) -> None:

@@ -35,7 +35,7 @@ from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
 from adaptipe.runtime.control import JobController
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.worker import TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
+from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.schedule.validate import validate
@@ -261,6 +261,7 @@ def _spawn(
                 else {}
             ),
             **({CONTROL_DIR_ENV: str(control_dir)} if control_dir else {}),
+            **{MANAGER_ENV: "1"},  # the workers know a manager decides halvings
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         cmd = [sys.executable, "-m", "adaptipe.runtime.worker", "--run-dir", str(run.root)]

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import PlanError
 from adaptipe.inject.injectors import CONTROL_DIR_ENV, read_slowdowns, read_throttles
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import get_model
@@ -59,6 +60,9 @@ __all__ = ["FAULT_ENV", "InjectedFault", "main", "run_worker"]
 TELEMETRY_ENV = "ADAPTIPE_TELEMETRY"
 """The manager's collector address (ZeroMQ); workers publish telemetry there."""
 TELEMETRY_INTERVAL_ENV = "ADAPTIPE_TELEMETRY_INTERVAL_S"
+
+MANAGER_ENV = "ADAPTIPE_MANAGER"
+"""Set by `adaptipe train`'s manager for the workers it starts (absent under torchrun)."""
 
 FAULT_ENV = "ADAPTIPE_INJECT_FAULT"
 """``STAGE:ITERATION``: that stage raises `InjectedFault` when it reaches that iteration.
@@ -187,6 +191,13 @@ def run_worker(run_dir: Path, *, resume: bool) -> None:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     run = RunDir(run_dir)
     config = run.read_config()
+    if config.sweep is not None and config.sweep.halving_every and MANAGER_ENV not in os.environ:
+        # Each rung waits for the manager's decision, which only `adaptipe train` makes.
+        raise PlanError(
+            f"{run.config_json}: [sweep].halving_every = {config.sweep.halving_every} needs "
+            "the manager of `adaptipe train`, which decides each halving; these workers "
+            "were started without it (torchrun?). Set halving_every = 0 to train here."
+        )
     partition = run.read_partition()
     schedule = run.read_schedule()
     if schedule.num_stages != world:
