@@ -58,6 +58,7 @@ def _binder(args: argparse.Namespace, device: torch.device) -> Binder:
             optimizer=OptimizerSection(name="adam", lr=1e-4 * (j + 1)),
             batch_size=args.batch,
             seed=j,
+            data_seed=j,
         )
         for j in range(args.jobs)
     ]

@@ -318,6 +318,25 @@ def test_a_resumed_follower_replays_the_recorded_switches(
     got = follower.at_boundary(8)
     assert got is not None and got.version == 2 and got.jobs == (1, 3)
     assert adoptions(run) == {1: 6, 2: 8}
+    # Resumed past every recorded switch with active.json torn: the first boundary still
+    # starts from the newest version recorded in force, never from version 0.
+    (run.root / "control" / "active.json").write_text("{")
+    again = ActiveFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
+    got = again.at_boundary(10)
+    assert got is not None and got.version == 2
+
+
+def test_a_fresh_run_in_the_directory_forgets_an_earlier_attempts_stops(
+    prepared: tuple[RunDir, RunConfig], make_config: Callable[..., RunConfig]
+) -> None:
+    run, cfg = prepared
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    stop_jobs(run.root, [2])
+    JobController(run, cfg, instance, total=4).poll()
+    (run.root / "control" / "adopted-0001.json").write_text('{"version": 1, "iteration": 2}')
+    again, _ = prepare(_array(make_config, 4))  # no checkpoint: a new run may start here
+    assert again.root == run.root
+    assert current_version(again) == 0 and adoptions(again) == {}
 
 
 def test_a_user_stop_mid_run_leaves_the_siblings_exact(

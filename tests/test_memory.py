@@ -205,6 +205,19 @@ def test_a_layer_with_buffers_is_refused_by_the_binder() -> None:
             make_optimizer=lambda job, params: job.optimizer.build(params),
         )
 
+    class Masked(nn.Linear):  # a constant buffer, left out of checkpoints, may be shared
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    binder = Binder(
+        layers=[3],
+        jobs=[job],
+        build_layer=lambda index, seed: Masked(),
+        make_optimizer=lambda job, params: job.optimizer.build(params),
+    )
+    assert set(binder.states[0][3].params) == {"weight", "bias"}
+
 
 def test_minimum_budget_counts_jobs_in_flight() -> None:
     assert minimum_budget(ONE_F_ONE_B) == 2

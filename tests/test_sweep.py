@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from adaptipe.errors import PlanError
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.rundir import RunDir
 
 BASE: dict[str, Any] = {
     "model": {
@@ -91,6 +94,18 @@ def test_a_jobs_data_order_follows_the_config_as_if_it_trained_alone(
     assert [j.data_seed for j in cfg.jobs] == want
     again = RunConfig.from_dict(cfg.to_dict(), source="sweep.toml")  # config.json
     assert again.jobs == cfg.jobs
+
+
+def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: Path) -> None:
+    # Such config.json files list jobs without data_seed; their data followed each seed.
+    cfg = _config({"jobs": [{"name": "a", "seed": 1}, {"name": "b", "seed": 2}]}, data={"seed": 3})
+    assert [j.data_seed for j in cfg.jobs] == [3, 3]
+    old = cfg.to_dict()
+    for job in old["sweep"]["jobs"]:
+        del job["data_seed"]
+    run = RunDir(tmp_path)
+    run.config_json.write_text(json.dumps(old))
+    assert [j.data_seed for j in run.read_config().jobs] == [1, 2]
 
 
 @pytest.mark.parametrize(

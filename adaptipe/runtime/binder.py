@@ -11,8 +11,9 @@ Each job's layer ``i`` is built from the job's own seed, exactly as training tha
 alone would build it, and gets its own optimizer (one per job and layer), so its state
 can travel with the layer later (migration) and be saved under global keys.
 
-Layers with buffers (batch-norm statistics, say) are refused: a block would run on job
-0's buffers and update them for every job, so the jobs would no longer train as alone.
+Layers with persistent buffers (batch-norm statistics, say) are refused: a block would
+run on job 0's buffers and update them for every job, so the jobs would no longer train
+as alone. Non-persistent buffers (a causal mask) are constants and are shared.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ __all__ = ["Binder", "JobLayerState", "refuse_buffers"]
 
 
 def refuse_buffers(index: int, module: nn.Module) -> None:
-    """Raise `PlanError` when layer ``index`` has buffers (see the module doc)."""
-    buffers = [name for name, _ in module.named_buffers()]
+    """Raise `PlanError` when layer ``index`` has persistent buffers (see the module doc)."""
+    params = {name for name, _ in module.named_parameters()}
+    buffers = [name for name in module.state_dict(keep_vars=True) if name not in params]
     if buffers:
         raise PlanError(
             f"layer {index} ({type(module).__name__}) has buffers ({', '.join(buffers)}): "

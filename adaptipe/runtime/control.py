@@ -419,14 +419,17 @@ class ActiveFollower:
 
         version = -1
         if self.rank == 0:
+            # the newest version recorded in force by now (this run's or an earlier one's)
+            recorded = max((v for v, it in self.history.items() if it <= iteration), default=0)
             if any(it >= iteration for it in self.history.values()):  # replaying
-                version = max((v for v, it in self.history.items() if it <= iteration), default=0)
+                version = recorded
             else:
                 many = self.active is None or len(self.active.jobs) > 1
                 if many and is_rung(self.config, iteration, self.total):
                     self._wait_for_rung(iteration)
-                version = current_version(self.run)
-                if self.active is not None:  # versions only go forward (a torn read says 0)
+                # Versions only go forward: a torn active.json reads as 0.
+                version = max(current_version(self.run), recorded)
+                if self.active is not None:
                     version = max(version, self.active.version)
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:

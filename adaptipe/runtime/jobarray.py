@@ -45,7 +45,7 @@ def plan_job_array(
     assert config.sweep is not None
     jobs = [config.jobs[j] for j in (active if active is not None else range(len(config.jobs)))]
     for index in range(spec.num_layers):  # before any worker starts: the binder's rule
-        refuse_buffers(index, spec.build_layer(index, seed=jobs[0].seed))
+        refuse_buffers(index, spec.build_layer(index, seed=jobs[0].seed, device="meta"))
     profiles: dict[int, Profile] = {}
     for job in jobs:
         if job.batch_size not in profiles:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,6 +310,9 @@ def prepare(
     )
     if run.metrics.exists():
         run.metrics.unlink()
+    # A fresh run: an earlier attempt's stop requests, active sets and recorded switches
+    # (kept for resumes) must not apply to it.
+    shutil.rmtree(run.root / "control", ignore_errors=True)
     return run, config
 
 
@@ -484,8 +488,14 @@ def _rank_jobs(run: RunDir) -> list[dict[str, Any]]:
     from adaptipe.runtime.export import evaluate_jobs
 
     last: dict[str, float] = {}
-    for rec in run.read_metrics():  # in file order: a resumed run's records come last
-        last.update(rec.get("losses") or {})
+    if run.metrics.exists():  # in file order: a resumed run's records come last
+        for line in run.metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut off when an earlier manager died
+                continue
+            if isinstance(rec, dict):
+                last.update(rec.get("losses") or {})
     switched = sorted(adoptions(run).items())
     stopped = read_active(run, switched[-1][0]).stopped if switched else {}
     # The iteration a stop took effect at: the first switch whose active set lacks the job.

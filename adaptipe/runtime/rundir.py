@@ -132,7 +132,13 @@ class RunDir:
 
     # readers
     def read_config(self) -> RunConfig:
-        return RunConfig.from_dict(read_json(self.config_json), source=str(self.config_json))
+        data = read_json(self.config_json)
+        sweep = data.get("sweep") if isinstance(data, dict) else None
+        for job in sweep.get("jobs") or [] if isinstance(sweep, dict) else []:
+            # Written before jobs had a data_seed: their data order followed their seed.
+            if isinstance(job, dict) and "seed" in job and "data_seed" not in job:
+                job["data_seed"] = job["seed"]
+        return RunConfig.from_dict(data, source=str(self.config_json))
 
     def read_partition(self) -> Partition:
         return load_json_file(self.partition_json, Partition.from_json)
