@@ -195,8 +195,13 @@ def test_a_failed_array_resumes_from_its_checkpoint_and_ends_as_if_alone(
         train(cfg)
     monkeypatch.delenv(FAULT_ENV)
     run_dir = cfg.train.run_dir
+    with RunDir(run_dir).metrics.open("a") as fh:  # as if the manager died mid-write
+        fh.write('{"iteration": 5, "loss": 0.')
     resumed = train(cfg, run_dir=run_dir, resume=True)
     assert resumed.start_iteration == 4 and resumed.iterations == 3
+    metrics = RunDir(run_dir).read_metrics()  # every line whole again
+    assert [r["iteration"] for r in metrics][-3:] == [4, 5, 6]
+    assert all(row["train_loss"] is not None for row in resumed.jobs)
     for job in cfg.jobs:
         got, want = _job_params(resumed.run_dir, job.index), _alone(cfg, job)
         for name in want:

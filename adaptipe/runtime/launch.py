@@ -419,6 +419,8 @@ def _run(
         interference = _Interference(
             scenario, collector.address, run.root / "inject", procs, inject_seed
         )
+    for log in (run.metrics, run.root / "control.jsonl"):
+        run.drop_torn_line(log)  # appended to below
     try:
         with (
             run.metrics.open("a") as metrics,
@@ -488,14 +490,8 @@ def _rank_jobs(run: RunDir) -> list[dict[str, Any]]:
     from adaptipe.runtime.export import evaluate_jobs
 
     last: dict[str, float] = {}
-    if run.metrics.exists():  # in file order: a resumed run's records come last
-        for line in run.metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut off when an earlier manager died
-                continue
-            if isinstance(rec, dict):
-                last.update(rec.get("losses") or {})
+    for rec in run.read_metrics():  # in file order: a resumed run's records come last
+        last.update(rec.get("losses") or {})
     switched = sorted(adoptions(run).items())
     stopped = read_active(run, switched[-1][0]).stopped if switched else {}
     # The iteration a stop took effect at: the first switch whose active set lacks the job.

@@ -130,6 +130,17 @@ class RunDir:
         for folder in ("stages", "errors"):
             shutil.rmtree(self.root / folder, ignore_errors=True)
 
+    @staticmethod
+    def drop_torn_line(path: Path) -> None:
+        """Cut a JSON-lines log back to its last complete line: a manager killed while
+        writing leaves half a line, which the next launch's records would run into."""
+        if not path.exists():
+            return
+        with path.open("rb+") as fh:
+            data = fh.read()
+            if data and not data.endswith(b"\n"):
+                fh.truncate(data.rfind(b"\n") + 1)
+
     # readers
     def read_config(self) -> RunConfig:
         data = read_json(self.config_json)
