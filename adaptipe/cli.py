@@ -374,13 +374,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- stop
 def _cmd_stop(args: argparse.Namespace) -> int:
-    from adaptipe.runtime.control import stop_jobs
+    from adaptipe.runtime.control import manager_running, stop_jobs
+    from adaptipe.runtime.rundir import RunDir
 
     stopped = stop_jobs(args.run_dir, args.jobs, reason=args.reason)
     print(
         f"asked {args.run_dir} to stop job(s) {', '.join(map(str, stopped))}; the array is "
         "re-planned and switches at the next window boundary"
     )
+    if manager_running(RunDir(Path(args.run_dir))) is False:
+        print(
+            "note: no `adaptipe train` manages this run now (it has ended, or its workers "
+            f"run under torchrun); the request applies when `adaptipe train --resume "
+            f"{args.run_dir}` continues it",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ from adaptipe.runtime.control import (
     current_version,
     halving_survivors,
     is_rung,
+    manager_running,
+    mark_manager,
     read_active,
     remap_jobs,
     stop_jobs,
@@ -237,6 +241,33 @@ def test_workers_without_a_manager_refuse_halving_at_once(
         run_worker(run.root, resume=False)
 
 
+def test_stop_says_when_no_manager_will_answer(
+    prepared: tuple[RunDir, RunConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, _ = prepared
+    assert manager_running(run) is False  # prepared, never trained
+    assert main(["stop", str(run.root), "0"]) == 0
+    assert "no `adaptipe train` manages this run now" in capsys.readouterr().err
+    mark_manager(run, running=True)
+    assert manager_running(run) is True
+    assert main(["stop", str(run.root), "1"]) == 0
+    assert "no `adaptipe train`" not in capsys.readouterr().err
+    marker = run.root / "control" / "manager.json"
+    marker.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
+    assert manager_running(run) is False
+    marker.write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    assert manager_running(run) is None  # on another host: cannot tell
+    mark_manager(run, running=False)
+    assert not marker.exists()
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_controller_replans_for_the_remaining_jobs(prepared: tuple[RunDir, RunConfig]) -> None:
     run, cfg = prepared
     instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
@@ -347,9 +378,11 @@ def test_a_user_stop_mid_run_leaves_the_siblings_exact(
 
     def on_iteration(rec: dict[str, Any], total: int) -> None:
         if rec["iteration"] == 2 and not asked:
+            assert manager_running(RunDir(cfg.train.run_dir)) is True
             asked.extend(stop_jobs(cfg.train.run_dir, ["lr=0.1"], reason="by hand"))
 
     summary = train(cfg, on_iteration=on_iteration)
+    assert manager_running(RunDir(summary.run_dir)) is False  # unmarked at the end
     assert asked == [1]
     rows = {row["job"]: row for row in summary.jobs}
     stop = rows[1]["stopped"]

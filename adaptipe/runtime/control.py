@@ -17,6 +17,7 @@ Files under ``RUN_DIR/control/``::
     adopted-NNNN.json      {"version": N, "iteration": I}: the workers switched to
                            version N at the boundary before iteration I
     rung-NNNNNN.json       successive halving decided at that iteration: {"version": N}
+    manager.json           {"pid": P, "host": H} while `adaptipe train` manages the run
 
 Rank 0 reads ``active.json`` at each window boundary and broadcasts the version, so
 every worker switches at the same boundary; each then reads the immutable version
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -55,6 +57,8 @@ __all__ = [
     "current_version",
     "halving_survivors",
     "is_rung",
+    "manager_running",
+    "mark_manager",
     "read_active",
     "remap_jobs",
     "stop_jobs",
@@ -154,6 +158,35 @@ def adoptions(run: RunDir) -> dict[int, int]:
         except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{path}: not an adoption record ({exc})") from None
     return out
+
+
+def mark_manager(run: RunDir, *, running: bool) -> None:
+    """Say (or unsay) that this process manages ``run``: stop requests are answered."""
+    path = _control(run) / "manager.json"
+    if running:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"pid": os.getpid(), "host": socket.gethostname()})
+    else:
+        path.unlink(missing_ok=True)
+
+
+def manager_running(run: RunDir) -> bool | None:
+    """Whether a manager answers ``run``'s stop requests now: False when none is marked or
+    the marked one (on this host) has exited; None when it runs on another host."""
+    try:
+        data = read_json(_control(run) / "manager.json")
+        pid, host = int(data["pid"]), str(data["host"])
+    except (OSError, PlanError, KeyError, TypeError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _rung_path(run: RunDir, iteration: int) -> Path:

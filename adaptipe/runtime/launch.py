@@ -34,7 +34,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.profile.children import free_port
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
-from adaptipe.runtime.control import JobController
+from adaptipe.runtime.control import JobController, mark_manager
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 from adaptipe.schedule.build import build_schedule
@@ -400,6 +400,8 @@ def _run(
         run, schedule.num_stages, {str(job.index): job.batch_size for job in cfg.jobs}
     )
     controller = _controller(run, cfg, total)
+    if controller is not None:
+        mark_manager(run, running=True)  # `adaptipe stop` can tell its request is heard
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
@@ -462,6 +464,8 @@ def _run(
         _stop(procs)
         if collector is not None:
             collector.close()
+        if controller is not None:
+            mark_manager(run, running=False)
     wall = time.monotonic() - t0
     summary = _summarise(run, follower.merged, start=start, wall=wall)
     if cfg.sweep is not None:
