@@ -192,6 +192,12 @@ def test_memory_manager_adopts_a_smaller_order_and_offloads_stopped_jobs() -> No
         mm.reorder([1, 3, 5, 1, 3, 5])  # three jobs in flight at once with a budget of 2
 
 
+def _controller(run: RunDir, cfg: RunConfig, *, total: int) -> JobController:
+    """The manager's controller for a prepared run, from the run's JAPSP instance."""
+    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
+    return JobController(run, cfg, instance, total=total)
+
+
 @pytest.fixture
 def prepared(make_config: Callable[..., RunConfig]) -> tuple[RunDir, RunConfig]:
     run, cfg = prepare(_array(make_config, 4))
@@ -270,8 +276,7 @@ def _dead_pid() -> int:
 
 def test_controller_replans_for_the_remaining_jobs(prepared: tuple[RunDir, RunConfig]) -> None:
     run, cfg = prepared
-    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
-    controller = JobController(run, cfg, instance, total=4)
+    controller = _controller(run, cfg, total=4)
     assert controller.poll() == [] and current_version(run) == 0
     name = cfg.jobs[2].name
     assert main(["stop", str(run.root), name, "0", "--reason", "looks bad"]) == 0
@@ -307,8 +312,7 @@ def test_a_follower_never_goes_back_to_an_older_version(
     prepared: tuple[RunDir, RunConfig],
 ) -> None:
     run, cfg = prepared
-    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
-    controller = JobController(run, cfg, instance, total=4)
+    controller = _controller(run, cfg, total=4)
     follower = ActiveFollower(run, cfg, rank=0, total=4, device="cpu", wait_s=1.0)
     first = follower.at_boundary(0)
     assert first is not None and first.version == 0 and follower.at_boundary(1) is None
@@ -331,8 +335,7 @@ def test_a_resumed_follower_replays_the_recorded_switches(
     # (version 2) but never adopted. Resumed from a checkpoint at 4: version 0 until 6,
     # version 1 from 6 on (a window ends there), then version 2 at the next boundary.
     run, cfg = prepared
-    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
-    controller = JobController(run, cfg, instance, total=12)
+    controller = _controller(run, cfg, total=12)
     stop_jobs(run.root, [2])
     controller.poll()
     (run.root / "control" / "adopted-0001.json").write_text('{"version": 1, "iteration": 6}')
@@ -361,9 +364,8 @@ def test_a_fresh_run_in_the_directory_forgets_an_earlier_attempts_stops(
     prepared: tuple[RunDir, RunConfig], make_config: Callable[..., RunConfig]
 ) -> None:
     run, cfg = prepared
-    instance = load_json_file(run.root / "japsp-instance.json", JapspInstance.from_json)
     stop_jobs(run.root, [2])
-    JobController(run, cfg, instance, total=4).poll()
+    _controller(run, cfg, total=4).poll()
     (run.root / "control" / "adopted-0001.json").write_text('{"version": 1, "iteration": 2}')
     again, _ = prepare(_array(make_config, 4))  # no checkpoint: a new run may start here
     assert again.root == run.root
