@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, generate, lower_bound, solve, to_schedule
 from adaptipe.japsp.bnb import solve_bnb
+from adaptipe.japsp.budget import WORK_PER_SECOND, SearchBudget
 from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.evaluate import OpTable
 from adaptipe.japsp.genetic import _job_sequences, _sequence_seeds, solve_ga
@@ -163,7 +165,7 @@ def test_job_orders_count_jobs_of_equal_cost_once() -> None:
 def test_job_order_seeds_are_valid_1f1b_orders_at_least_as_good_as_job_index_order() -> None:
     inst = generate(6, 4, seed=2, profiles=3, jitter=0.0)
     tab = OpTable.of(inst)
-    seeds = _sequence_seeds(tab, keep=3)
+    seeds = _sequence_seeds(tab, SearchBudget(deadline=math.inf), keep=3)
     spans = []
     for seqs in seeds:
         timeline = evaluate(inst, tab.orders(seqs))
@@ -173,7 +175,8 @@ def test_job_order_seeds_are_valid_1f1b_orders_at_least_as_good_as_job_index_ord
             assert [k for k, _ in order] == [k for k, _ in template]
     assert len(seeds) == 3 and spans == sorted(spans)
     assert spans[0] <= solve(inst, solver="1f1b").makespan
-    assert _sequence_seeds(OpTable.of(generate(15, 4, seed=0))) == []  # too many orders
+    big = OpTable.of(generate(15, 4, seed=0))
+    assert _sequence_seeds(big, SearchBudget(deadline=math.inf)) == []  # too many orders
 
 
 @pytest.mark.parametrize(
@@ -188,6 +191,50 @@ def test_ga_is_deterministic_for_a_seed(jobs: int, stages: int, seed: int) -> No
     runs = [solve_ga(inst, seed=7, time_limit_s=60, generations=2, population=10) for _ in range(2)]
     assert runs[0].orders == runs[1].orders
     assert runs[0].makespan == runs[1].makespan
+    assert runs[0].stopped_by == "generations"
+
+
+@pytest.mark.parametrize(("jobs", "stages"), [(6, 4), (20, 4), (12, 8)])
+def test_ga_on_a_work_budget_gives_one_schedule_per_seed(jobs: int, stages: int) -> None:
+    # the default ending: counted work, not the clock (which only backs it up)
+    inst = generate(jobs, stages, seed=1, profiles=3, jitter=0.02)
+    runs = [solve_ga(inst, seed=3, time_limit_s=60, work=150_000) for _ in range(2)]
+    assert [r.stopped_by for r in runs] == ["work", "work"]
+    assert runs[0].orders == runs[1].orders and runs[0].makespan == runs[1].makespan
+
+
+def test_ga_schedule_does_not_depend_on_how_fast_the_clock_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Only the (distant) deadline may read the clock: a clock that jumps about below it
+    # changes nothing. A search that ran while time was left would end elsewhere.
+    inst = generate(8, 4, seed=2, profiles=3, jitter=0.02, switch=0.05)
+    steady = solve_ga(inst, seed=5, time_limit_s=100, work=120_000)
+    rng = random.Random(0)
+    real = time.perf_counter
+    start = real()
+    monkeypatch.setattr(time, "perf_counter", lambda: start + 90 * rng.random())
+    jumpy = solve_ga(inst, seed=5, time_limit_s=100, work=120_000)
+    monkeypatch.setattr(time, "perf_counter", real)
+    assert steady.stopped_by == jumpy.stopped_by == "work"
+    assert jumpy.orders == steady.orders and jumpy.makespan == steady.makespan
+
+
+def test_ga_work_budget_follows_the_time_limit_and_the_clock_backs_it_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inst = generate(30, 10, seed=1, profiles=3, jitter=0.0)  # its lower bound is not met
+    result = solve_ga(inst, seed=0, time_limit_s=0.3, work=10**12)
+    assert result.stopped_by == "clock" and not result.optimal
+    assert result.seconds < 5.0  # 0.3 s and the constructive seeds
+    # With the clock stopped, the time limit buys WORK_PER_SECOND units a second.
+    frozen = time.perf_counter()
+    monkeypatch.setattr(time, "perf_counter", lambda: frozen)
+    small = generate(12, 4, seed=1, profiles=3, jitter=0.02)
+    default = solve_ga(small, seed=0, time_limit_s=0.1)
+    assert default.stopped_by == "work"
+    assert 0.1 * WORK_PER_SECOND <= default.nodes < 0.15 * WORK_PER_SECOND
+    validate(to_schedule(inst, result.orders))
 
 
 def test_ga_stops_at_the_lower_bound() -> None:

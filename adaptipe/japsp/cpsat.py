@@ -132,4 +132,5 @@ def solve_cpsat(
         optimal=(exact and status == cp.OPTIMAL) or mk <= lb + 1e-9,
         seconds=time.perf_counter() - t0,
         nodes=int(solver.NumBranches()),
+        stopped_by="bound" if mk <= lb + 1e-9 else "search" if status == cp.OPTIMAL else "clock",
     )

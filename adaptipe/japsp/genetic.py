@@ -16,8 +16,11 @@ block's ends); the improved order is written back into the chromosome (Lamarckia
 The initial population holds the baselines, shifting-bottleneck schedules (plain and
 randomised, `adaptipe.japsp.baselines.shifting_bottleneck`) and, on small arrays, 1F1B
 over the best few of all distinct job orders (jobs of equal costs are one kind); a tabu
-search from those runs beside the GA, and the better answer wins. The run is deterministic for a seed when the generation cap
-(not the clock) ends it, and stops as soon as the makespan meets the lower bound.
+search from those runs beside the GA, and the better answer wins. The search runs on a
+budget of counted work (`adaptipe.japsp.budget`), not on the clock, so a seed gives the
+same schedule on every run and machine, unless a machine too slow for the work hits the
+time limit first (``Result.stopped_by == "clock"``); it stops as soon as the makespan
+meets the lower bound.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from collections.abc import Sequence
 
 from adaptipe.japsp.baselines import BASELINES, shifting_bottleneck
 from adaptipe.japsp.bounds import lower_bound
-from adaptipe.japsp.evaluate import OpTable, Orders, critical_blocks, decode, semi_active, to_seqs
+from adaptipe.japsp.budget import SearchBudget
+from adaptipe.japsp.evaluate import OpTable, Orders, decode, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
+from adaptipe.japsp.local_search import job_moves, kick, tabu_search
 from adaptipe.japsp.solve import Result
 from adaptipe.schedule.onefoneb import one_f_one_b_order
 
-__all__ = ["job_moves", "solve_ga", "tabu_search"]
+__all__ = ["solve_ga"]
 
 _EPS = 1e-9
 Seqs = list[list[int]]
@@ -44,137 +49,6 @@ def _chromosome(tab: OpTable, start: Sequence[float]) -> list[int]:
     """Operations sorted by start time (chain order breaks ties), as job ids."""
     k2 = 2 * tab.stages
     return [o // k2 for o in sorted(range(tab.n), key=lambda o: (start[o], o % k2, o))]
-
-
-def tabu_search(
-    tab: OpTable,
-    seqs: Seqs,
-    *,
-    iters: int,
-    rng: random.Random,
-    floor: float,
-    deadline: float,
-) -> tuple[Seqs, list[float], float, int]:
-    """Tabu search over N5/N7 critical-block moves (best non-tabu move each step,
-    aspiration by the best makespan). Returns the best orders, starts, makespan and the
-    number of evaluations."""
-    res = semi_active(tab, seqs)
-    assert res is not None
-    start, mk = res
-    best = (mk, [list(s) for s in seqs], start)
-    forbidden: dict[tuple[int, int], int] = {}
-    evals = 0
-    for it in range(iters):
-        if best[0] <= floor + _EPS or time.perf_counter() > deadline:
-            break
-        pos = [0] * tab.n
-        for seq in seqs:
-            for i, o in enumerate(seq):
-                pos[o] = i
-        chosen = None
-        for block in critical_blocks(tab, seqs, start):
-            m = tab.machine[block[0]]
-            first, last = pos[block[0]], pos[block[-1]]
-            moves = {(first, first + 1), (last, last - 1)}
-            for o in block[1:-1]:
-                moves.update(((pos[o], first), (pos[o], last)))
-            if len(block) > 2:
-                moves.update(((first, last), (last, first)))
-            for i, j in sorted(moves):
-                if time.perf_counter() > deadline:
-                    break
-                seq = seqs[m]
-                x = seq[i]
-                new = (
-                    [(x, seq[k]) for k in range(j, i)]
-                    if j < i
-                    else [(seq[k], x) for k in range(i + 1, j + 1)]
-                )
-                trial_seq = list(seq)
-                trial_seq.insert(j, trial_seq.pop(i))
-                trial = [*seqs[:m], trial_seq, *seqs[m + 1 :]]
-                evals += 1
-                out = semi_active(tab, trial)
-                if out is None:
-                    continue
-                if out[1] >= best[0] and any(forbidden.get(a, -1) >= it for a in new):
-                    continue
-                key = (out[1], rng.random())
-                if chosen is None or key < chosen[0]:
-                    chosen = (key, trial, out, new)
-        if chosen is None:
-            break
-        _, seqs, (start, mk), new = chosen
-        tenure = rng.randint(4, 10)
-        for a, b in new:
-            forbidden[(b, a)] = it + tenure
-        if mk < best[0] - _EPS:
-            best = (mk, [list(s) for s in seqs], start)
-    return best[1], best[2], best[0], evals
-
-
-def job_moves(
-    tab: OpTable, seqs: Seqs, mk: float, *, rng: random.Random, tries: int, deadline: float
-) -> tuple[Seqs, float, int]:
-    """Descent over macro moves the critical-path neighbourhoods cannot make: two jobs
-    trade places on every stage at once, or one job moves, on every stage, to just
-    before or just after another (a short job to the front starts the pipeline sooner,
-    one at the end drains it sooner). First improvement over ``tries`` random moves."""
-    k2, jobs = 2 * tab.stages, tab.jobs
-    moves = [(a, b, kind) for a in range(jobs) for b in range(jobs) if a != b for kind in (0, 1, 2)]
-    moves = [m for m in moves if m[2] or m[0] < m[1]]
-    evals = 0
-    improved = True
-    while improved:
-        improved = False
-        rng.shuffle(moves)
-        for a, b, kind in moves[:tries]:
-            if time.perf_counter() > deadline:
-                return seqs, mk, evals
-            if kind == 0:
-                swap = {a * k2 + k: b * k2 + k for k in range(k2)}
-                swap.update({b * k2 + k: a * k2 + k for k in range(k2)})
-                trial = [[swap.get(o, o) for o in seq] for seq in seqs]
-            else:
-                trial = []
-                for seq in seqs:
-                    out = []
-                    for o in seq:
-                        if o // k2 == b and kind == 1:
-                            out.append(o - (b - a) * k2)
-                        if o // k2 != a:
-                            out.append(o)
-                        if o // k2 == b and kind == 2:
-                            out.append(o - (b - a) * k2)
-                    trial.append(out)
-            evals += 1
-            res = semi_active(tab, trial)
-            if res is not None and res[1] < mk - _EPS:
-                seqs, mk, improved = trial, res[1], True
-                break
-    return seqs, mk, evals
-
-
-def _kick(tab: OpTable, seqs: Seqs, rng: random.Random) -> Seqs:
-    """A random job move of `job_moves`, taken whatever it costs (if it stays acyclic)."""
-    k2 = 2 * tab.stages
-    for _ in range(10):
-        a, b = rng.sample(range(tab.jobs), 2) if tab.jobs > 1 else (0, 0)
-        after = rng.random() < 0.5
-        trial = []
-        for seq in seqs:
-            out = []
-            for o in seq:
-                if o // k2 == b and not after:
-                    out.append(o - (b - a) * k2)
-                if o // k2 != a:
-                    out.append(o)
-                if o // k2 == b and after:
-                    out.append(o - (b - a) * k2)
-            trial.append(out)
-        if a != b and semi_active(tab, trial) is not None:
-            return trial
-    return seqs
 
 
 def _pox(rng: random.Random, p1: list[int], p2: list[int], jobs: int) -> list[int]:
@@ -237,10 +111,10 @@ def _job_sequences(tab: OpTable, limit: int) -> list[list[int]] | None:
 
 
 def _sequence_seeds(
-    tab: OpTable, *, limit: int = 720, keep: int = 3, deadline: float = math.inf
+    tab: OpTable, budget: SearchBudget, *, limit: int = 720, keep: int = 3
 ) -> list[Seqs]:
     """On small arrays, 1F1B over every distinct job order: the ``keep`` best (of those
-    scored by ``deadline``).
+    scored before ``budget`` ran out).
 
     Which jobs fill and drain the pipeline matters most on few jobs (short jobs at both
     ends, say), and a crossover rarely moves a whole job from one end to the other.
@@ -251,10 +125,11 @@ def _sequence_seeds(
     template = [one_f_one_b_order(tab.stages, tab.jobs, s) for s in range(tab.stages)]
     scored: list[tuple[float, int, Seqs]] = []
     for i, perm in enumerate(orders):
-        if scored and time.perf_counter() > deadline:
+        if scored and budget.exhausted():
             break
         seqs = to_seqs(tab, [[(k, perm[j]) for k, j in stage] for stage in template])
         res = semi_active(tab, seqs)
+        budget.spend(tab.n)
         assert res is not None
         scored.append((res[1], i, seqs))
     scored.sort(key=lambda x: (x[0], x[1]))
@@ -266,7 +141,7 @@ def _seeds(
     inst: JapspInstance,
     initial: Orders | None,
     rng: random.Random,
-    deadline: float,
+    budget: SearchBudget,
     by_job_order: list[Seqs],
 ) -> list[Seqs]:
     """Starting schedules: ``initial``, the baselines, 1F1B over the best job orders (small
@@ -275,11 +150,15 @@ def _seeds(
     out = [] if initial is None else [to_seqs(tab, initial)]
     out.extend(to_seqs(tab, make(inst).orders) for make in BASELINES.values())
     out.extend(by_job_order)
+    # one shifting-bottleneck run: about S * S / 2 longest-path passes (3n units each)
+    cost = 3 * tab.stages * tab.stages * tab.n // 2
     out.append(shifting_bottleneck(tab))
-    for _ in range(min(6, 200_000 // (tab.stages * tab.stages * tab.n))):
-        if time.perf_counter() > deadline:
+    budget.spend(cost)
+    for _ in range(min(6, 300_000 // cost)):
+        if budget.exhausted():
             break
         out.append(shifting_bottleneck(tab, noise=0.3, rng=rng))
+        budget.spend(cost)
     return out
 
 
@@ -292,78 +171,86 @@ def solve_ga(
     generations: int | None = None,
     initial: Orders | None = None,
     local_search: bool = True,
+    work: int | None = None,
 ) -> Result:
-    """Run the GA within ``time_limit_s`` (population 30 unless ``population``).
+    """Run the GA on ``time_limit_s`` worth of work (population 30 unless ``population``),
+    or on ``work`` units (`adaptipe.japsp.budget`) when given.
 
-    Ends at the time limit, after ``generations`` generations, or at the lower bound.
-    The constructive seeds (baselines, one shifting-bottleneck run, and on small arrays
-    1F1B over the best job orders, scored until the deadline) are always built, also
-    for the plain GA, so a limit below their cost (about 0.1 s for 64 jobs x 8 stages)
-    is overrun by it.
+    Ends when the work is spent (`adaptipe.japsp.budget`: the same seed gives the same
+    schedule on any machine fast enough), after ``generations`` generations, at the lower bound, or,
+    on a machine too slow for the work, at the time limit (``Result.stopped_by`` then
+    says ``"clock"``). The constructive seeds (baselines, one shifting-bottleneck run,
+    and on small arrays 1F1B over the best job orders, scored while work is left) are
+    always built, also for the plain GA, so a limit below their cost (about 0.1 s for
+    64 jobs x 8 stages) is overrun by it.
     ``initial`` adds a schedule to the first population; ``local_search=False`` leaves
     out the job moves and the tabu search (a plain GA).
     """
     t0 = time.perf_counter()
     tab = OpTable.of(inst)
-    # leave room for the final decoding (about 2 ms per 1000 blocks)
-    deadline = t0 + 0.95 * time_limit_s - 3e-6 * tab.n
+    # the clock's deadline leaves room for the final decoding (about 2 ms per 1000 blocks)
+    budget = SearchBudget.for_limit(
+        time_limit_s, start=t0, reserve_s=0.05 * time_limit_s + 3e-6 * tab.n, work=work
+    )
     lb = lower_bound(tab)
     rng = random.Random(seed)
     size = population or 30
     cap = generations if generations is not None else 1 << 30
-    jobs, evals = tab.jobs, 0
+    jobs = tab.jobs
     ts_iters = 150
 
     def polish(seqs: Seqs) -> tuple[float, list[int]]:
         """Macro job moves and tabu search, alternating while the moves pay."""
-        nonlocal evals
         res = semi_active(tab, seqs)
         assert res is not None
         start, mk = res
         for rnd in range(3 if local_search else 0):
-            seqs, moved, used = job_moves(tab, seqs, mk, rng=rng, tries=200, deadline=deadline)
-            evals += used
+            seqs, moved = job_moves(tab, seqs, mk, rng=rng, tries=200, budget=budget)
             if rnd and moved >= mk - _EPS:
                 break
-            seqs, start, mk, used = tabu_search(
-                tab, seqs, iters=ts_iters, rng=rng, floor=lb, deadline=deadline
+            seqs, start, mk = tabu_search(
+                tab, seqs, iters=ts_iters, rng=rng, floor=lb, budget=budget
             )
-            evals += used
         ch = _chromosome(tab, start)
-        return decode(tab, ch)[2], ch  # decoding left-shifts, so never worse than mk
+        return decoded(ch)  # decoding left-shifts, so never worse than mk
 
     def decoded(ch: list[int]) -> tuple[float, list[int]]:
-        nonlocal evals
-        evals += 1
+        budget.spend(2 * tab.n)  # the decoder's gap search costs about two passes
         return decode(tab, ch)[2], ch
+
+    def orders_of(ch: list[int]) -> Seqs:
+        budget.spend(2 * tab.n)
+        return decode(tab, ch)[0]
 
     # Small arrays: tabu search from the best job orders' 1F1B, on the side. Kept out of
     # the population (polished seeds there pull it into their basin) and out of its
     # random stream; the better of the two answers is returned.
     side: tuple[float, Seqs] | None = None
     side_rng = random.Random(seed ^ 0x5EED)
-    by_job_order = _sequence_seeds(tab, deadline=deadline)
+    by_job_order = _sequence_seeds(tab, budget)
     # The best order gets three tries (tabu's tie-breaks are random), the others one.
     starts = [*by_job_order[:1], *by_job_order[:1], *by_job_order]
     for seqs in starts if local_search else []:
-        if time.perf_counter() > deadline or (side is not None and side[0] <= lb + _EPS):
+        if budget.exhausted() or (side is not None and side[0] <= lb + _EPS):
             break
-        found, _, mk, used = tabu_search(
-            tab, [list(s) for s in seqs], iters=ts_iters, rng=side_rng, floor=lb, deadline=deadline
+        found, _, mk = tabu_search(
+            tab, [list(s) for s in seqs], iters=ts_iters, rng=side_rng, floor=lb, budget=budget
         )
-        evals += used
         if side is None or mk < side[0] - _EPS:
             side = (mk, found)
+    if side is not None and side[0] <= lb + _EPS:  # met the lower bound: nothing to find
+        return _result(tab, side[1], lb, t0, budget, "clock" if budget.clock_hit else "bound")
     pop = []
-    for seqs in _seeds(tab, inst, initial, rng, deadline, by_job_order):
+    for seqs in _seeds(tab, inst, initial, rng, budget, by_job_order):
         res = semi_active(tab, seqs)
         assert res is not None
+        budget.spend(tab.n)
         pop.append(decoded(_chromosome(tab, res[0])))
     pop.sort(key=lambda x: x[0])
     for i in range(min(4, len(pop))):  # polish the best seeds
-        if i and (time.perf_counter() > deadline or pop[0][0] <= lb + _EPS):
+        if i and (budget.exhausted() or pop[0][0] <= lb + _EPS):
             break
-        pop[i] = polish(decode(tab, pop[i][1])[0])
+        pop[i] = polish(orders_of(pop[i][1]))
     base = [g for j in range(jobs) for g in [j] * (2 * tab.stages)]
     while len(pop) < size:
         ch = list(base)
@@ -373,12 +260,10 @@ def solve_ga(
     best = pop[0]
     elite = max(2, size // 10)
     gen = stale = 0
-    if side is not None and side[0] <= lb + _EPS:
-        cap = 0  # the side search met the lower bound: nothing left to find
-    while gen < cap and best[0] > lb + _EPS and time.perf_counter() < deadline:
+    while gen < cap and best[0] > lb + _EPS and not budget.exhausted():
         gen += 1
         nxt = pop[:elite]
-        while len(nxt) < size and time.perf_counter() < deadline:
+        while len(nxt) < size and not budget.exhausted():
             a = min(rng.sample(pop, 3), key=lambda x: x[0])
             b = min(rng.sample(pop, 3), key=lambda x: x[0])
             child = _pox(rng, a[1], b[1], jobs) if rng.random() < 0.9 else list(a[1])
@@ -387,10 +272,10 @@ def solve_ga(
             nxt.append(decoded(child))
         # polish the best child; replace a random one by the best, kicked and polished
         k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)
-        nxt[k] = polish(decode(tab, nxt[k][1])[0])
+        nxt[k] = polish(orders_of(nxt[k][1]))
         if len(nxt) > elite + 1:
             k = rng.randrange(elite, len(nxt))
-            nxt[k] = polish(_kick(tab, decode(tab, best[1])[0], rng))
+            nxt[k] = polish(kick(tab, orders_of(best[1]), rng, budget))
         pop = sorted(nxt, key=lambda x: x[0])
         if pop[0][0] < best[0] - _EPS:
             best, stale = pop[0], 0
@@ -403,6 +288,14 @@ def solve_ga(
     seqs, _, _ = decode(tab, best[1])
     if side is not None and side[0] < best[0] - _EPS:
         seqs = side[1]
+    # what ended it: the clock cutting any search short (a rerun may end elsewhere) first
+    ended = "bound" if best[0] <= lb + _EPS else "generations" if gen >= cap else "work"
+    return _result(tab, seqs, lb, t0, budget, "clock" if budget.clock_hit else ended)
+
+
+def _result(
+    tab: OpTable, seqs: Seqs, lb: float, t0: float, budget: SearchBudget, stopped_by: str
+) -> Result:
     out = semi_active(tab, seqs)
     assert out is not None
     return Result(
@@ -412,7 +305,8 @@ def solve_ga(
         lower_bound=lb,
         optimal=out[1] <= lb + _EPS,
         seconds=time.perf_counter() - t0,
-        nodes=evals,
+        nodes=budget.work,
+        stopped_by=stopped_by,
     )
 
 

@@ -35,6 +35,7 @@ per-job jitter a 6x4 instance can take ~8 s of CPU and 5x4 up to ~3 s under load
 16 the GA, within about 1% of the optimum there in well under a second, is the safer
 default (``auto_threshold`` raises it)."""
 _DEFAULT_LIMIT = {"bb": 10.0, "ga": 1.0, "cpsat": 10.0}
+_COUNTED = {"ga": "work units", "cpsat": "branches"}  # what `Result.nodes` counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +44,12 @@ class Result:
 
     ``gap`` is ``(makespan - lower_bound) / makespan``; ``optimal`` is True only when the
     solver proved it (B&B finished, CP-SAT proved, or the makespan meets the bound).
-    ``nodes`` counts B&B nodes, GA decodings or CP-SAT branches.
+    ``nodes`` counts B&B nodes, GA work (blocks visited, `adaptipe.japsp.budget`) or
+    CP-SAT branches. ``stopped_by`` says what ended the search, and so whether a rerun
+    gives the same schedule: ``"search"`` (B&B searched everything, CP-SAT finished),
+    ``"bound"`` (the makespan met the lower bound), ``"work"`` or ``"generations"`` (the
+    GA's budget: reproducible for its seed), ``"clock"`` (the time limit: a rerun may
+    differ), or ``""`` (a baseline: no search).
     """
 
     solver: str
@@ -53,6 +59,7 @@ class Result:
     optimal: bool
     seconds: float
     nodes: int = 0
+    stopped_by: str = ""
 
     @property
     def gap(self) -> float:
@@ -69,6 +76,7 @@ class Result:
             "gap": self.gap,
             "seconds": self.seconds,
             "nodes": self.nodes,
+            "stopped_by": self.stopped_by,
             "orders": [[f"{k}{j}" for k, j in stage] for stage in self.orders],
         }
 
@@ -203,7 +211,8 @@ def run_japsp_command(args: argparse.Namespace) -> int:
     )
     print(
         f"makespan {result.makespan:g}  lower bound {result.lower_bound:g}  ({status})  "
-        f"{result.seconds:.3f} s, {result.nodes} nodes"
+        f"{result.seconds:.3f} s, {result.nodes} {_COUNTED.get(result.solver, 'nodes')}"
+        + (f", stopped by {result.stopped_by}" if result.stopped_by else "")
     )
     for s, stage in enumerate(result.orders):
         print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))
