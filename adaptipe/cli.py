@@ -384,9 +384,9 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     )
     if manager_running(RunDir(Path(args.run_dir))) is False:
         print(
-            "note: no `adaptipe train` manages this run now (it has ended, or its workers "
-            f"run under torchrun); the request applies when `adaptipe train --resume "
-            f"{args.run_dir}` continues it",
+            "note: no `adaptipe train` manages this run now (it stopped before its last "
+            f"iteration, or its workers run under torchrun); the request applies when "
+            f"`adaptipe train --resume {args.run_dir}` continues it",
             file=sys.stderr,
         )
     return 0

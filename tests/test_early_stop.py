@@ -385,6 +385,8 @@ def test_a_user_stop_mid_run_leaves_the_siblings_exact(
 
     summary = train(cfg, on_iteration=on_iteration)
     assert manager_running(RunDir(summary.run_dir)) is False  # unmarked at the end
+    with pytest.raises(PlanError, match=r"the run has finished \(all 40 iterations"):
+        stop_jobs(summary.run_dir, [0])
     assert asked == [1]
     rows = {row["job"]: row for row in summary.jobs}
     stop = rows[1]["stopped"]

@@ -263,7 +263,8 @@ def stop_jobs(
     """Ask a running job-array to stop ``jobs`` (sweep indices or names); returns indices.
 
     The manager re-plans for the remaining jobs and the workers switch at the next
-    window boundary. Stopping every job, or a run that is not a job-array, is an error.
+    window boundary. Stopping every job, a job of a run that has finished, or a run that
+    is not a job-array, is an error.
     """
     run = RunDir(Path(run_dir))
     if not run.config_json.exists():
@@ -271,6 +272,11 @@ def stop_jobs(
     config = run.read_config()
     if config.sweep is None:
         raise PlanError(f"{run.root}: not a job-array run (no [sweep]); nothing to stop")
+    if run.summary.exists():  # written when the last iteration is done
+        raise PlanError(
+            f"{run.root}: the run has finished (all {config.train.iterations} iterations; "
+            f"see {run.summary.name}); there is nothing left to stop"
+        )
     if not jobs:
         raise PlanError(f"{run.root}: name at least one job to stop")
     indices = _resolve_jobs(config, jobs, str(run.root))

@@ -310,6 +310,7 @@ def prepare(
     )
     if run.metrics.exists():
         run.metrics.unlink()
+    run.summary.unlink(missing_ok=True)  # an earlier attempt's: this run has not finished
     # A fresh run: an earlier attempt's stop requests, active sets and recorded switches
     # (kept for resumes) must not apply to it.
     shutil.rmtree(run.root / "control", ignore_errors=True)
