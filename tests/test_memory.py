@@ -5,6 +5,7 @@ resident ends."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -14,9 +15,12 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
+from adaptipe.models import get_model
 from adaptipe.runtime.binder import Binder
-from adaptipe.runtime.config import OptimizerSection
+from adaptipe.runtime.config import OptimizerSection, RunConfig
+from adaptipe.runtime.launch import prepare
 from adaptipe.runtime.memory import MemoryManager, block_order, minimum_budget
+from adaptipe.runtime.stagestate import build_stage
 from adaptipe.runtime.sweep import JobSpec
 from adaptipe.schedule.types import Backward, Forward, Instruction, OptimizerStep
 
@@ -217,6 +221,133 @@ def test_a_layer_with_buffers_is_refused_by_the_binder() -> None:
         make_optimizer=lambda job, params: job.optimizer.build(params),
     )
     assert set(binder.states[0][3].params) == {"weight", "bias"}
+
+
+def _one_job() -> JobSpec:
+    return JobSpec(
+        index=0,
+        name="a",
+        optimizer=OptimizerSection(name="sgd", lr=0.1),
+        batch_size=4,
+        seed=0,
+        data_seed=0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), r"1 \(Dropout p=0.1\)"),
+        (lambda: nn.Sequential(nn.Linear(4, 4), nn.RReLU()), r"1 \(RReLU\)"),
+        (lambda: nn.MultiheadAttention(4, 2, dropout=0.2), "MultiheadAttention dropout=0.2"),
+    ],
+)
+def test_a_layer_that_draws_random_numbers_is_refused_by_the_binder(
+    make: Callable[[], nn.Module], named: str
+) -> None:
+    # The jobs' blocks interleave on one random stream: each would draw other masks.
+    with pytest.raises(PlanError, match=f"layer 3 .*draws random numbers in training .*{named}"):
+        Binder(
+            layers=[3],
+            jobs=[_one_job()],
+            build_layer=lambda index, seed: make(),
+            make_optimizer=lambda job, params: job.optimizer.build(params),
+        )
+    quiet = Binder(  # dropout 0 draws nothing
+        layers=[3],
+        jobs=[_one_job()],
+        build_layer=lambda index, seed: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)),
+        make_optimizer=lambda job, params: job.optimizer.build(params),
+    )
+    assert set(quiet.states[0][3].params) == {"0.weight", "0.bias"}
+
+
+def test_tied_weights_are_parameters_not_buffers() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.b(self.a(x))
+
+    binder = Binder(
+        layers=[0],
+        jobs=[_one_job()],
+        build_layer=lambda index, seed: Tied(),
+        make_optimizer=lambda job, params: job.optimizer.build(params),
+    )
+    assert "a.weight" in binder.states[0][0].params
+
+
+def test_a_failed_offload_copy_is_raised_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CPU the copies run on a thread: a failure there must not leave a job to load
+    # from host buffers that were never written.
+    import adaptipe.runtime.memory as memory
+
+    real, calls = memory._copy_all, []
+
+    def failing(pairs: list[tuple[Tensor, Tensor]]) -> None:
+        calls.append(len(pairs))
+        if len(calls) == 1:  # the first job offloaded at the start (not the last one)
+            raise RuntimeError("host memory exhausted")
+        real(pairs)
+
+    monkeypatch.setattr(memory, "_copy_all", failing)
+    with pytest.raises(RuntimeError, match="host memory exhausted"):
+        MemoryManager(_binder(), budget=2, device=CPU, order=ONE_F_ONE_B)
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=ONE_F_ONE_B)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="host memory exhausted"):
+        _simulate(binder, mm, ONE_F_ONE_B, iterations=1)
+    mm.close()
+
+
+def test_a_new_order_prefetches_its_first_blocks() -> None:
+    binder = _binder()
+    mm = MemoryManager(binder, budget=2, device=CPU, order=ONE_F_ONE_B)
+    _simulate(binder, mm, ONE_F_ONE_B, iterations=1)
+    later = [3, 4, 3, 5, 4, 5]  # jobs 0-2 stopped: 3 and 4 come first, neither resident
+    assert not {3, 4} & mm.resident
+    mm.reorder(later)
+    assert {3, 4} <= mm.resident | mm.loading  # on their way before the first block
+    _simulate(binder, mm, later, iterations=1)
+    assert mm.misses == 0
+    mm.close()
+
+
+def test_job_states_start_in_host_memory_when_the_budget_is_below_the_jobs(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    # On an accelerator (here the meta device stands in), all J states on the device
+    # at once is what the budget avoids: they are built in host memory.
+    cfg = make_config(data={"microbatches": 1}, train={"iterations": 2})
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": {"lr": [0.05, 0.1, 0.2]}, "solver": "1f1b", "memory_budget": 2}
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    run, cfg = prepare(cfg)
+    spec = get_model(cfg.model.name, **cfg.model.config)
+    partition, schedule = run.read_partition(), run.read_schedule()
+    meta = torch.device("meta")
+    state = build_stage(spec, partition, schedule, 0, cfg, meta)
+    assert state.binder is not None
+    devices = {
+        p.device.type
+        for job in state.binder.states
+        for st_ in job.values()
+        for p in st_.params.values()
+    }
+    assert devices == {"cpu"}
+    data["sweep"]["memory_budget"] = 0  # every state resident: built on the device
+    everything = RunConfig.from_dict(data, source="test.toml")
+    state = build_stage(spec, partition, schedule, 0, everything, meta)
+    assert state.binder is not None
+    assert {
+        p.device.type
+        for p in state.binder.states[2][next(iter(state.binder.states[2]))].params.values()
+    } == {"meta"}
 
 
 def test_minimum_budget_counts_jobs_in_flight() -> None:

@@ -13,7 +13,9 @@ can travel with the layer later (migration) and be saved under global keys.
 
 Layers with persistent buffers (batch-norm statistics, say) are refused: a block would
 run on job 0's buffers and update them for every job, so the jobs would no longer train
-as alone. Non-persistent buffers (a causal mask) are constants and are shared.
+as alone. Non-persistent buffers (a causal mask) are constants and are shared. Layers
+that draw random numbers while training (dropout) are refused too: the jobs' blocks
+interleave on one random stream, so each would draw other numbers than alone.
 """
 
 from __future__ import annotations
@@ -27,18 +29,49 @@ from torch import Tensor, nn
 from adaptipe.errors import PlanError
 from adaptipe.runtime.sweep import JobSpec
 
-__all__ = ["Binder", "JobLayerState", "refuse_buffers"]
+__all__ = ["Binder", "JobLayerState", "refuse_unbindable"]
+
+_DROPOUT = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 
 
-def refuse_buffers(index: int, module: nn.Module) -> None:
-    """Raise `PlanError` when layer ``index`` has persistent buffers (see the module doc)."""
-    params = {name for name, _ in module.named_parameters()}
+def _random_draws(module: nn.Module) -> list[str]:
+    """The submodules of ``module`` that draw random numbers in training."""
+    found = []
+    for name, sub in module.named_modules():
+        label = name or type(sub).__name__
+        if isinstance(sub, _DROPOUT) and sub.p > 0:
+            found.append(f"{label} ({type(sub).__name__} p={sub.p:g})")
+        elif isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
+            found.append(f"{label} (MultiheadAttention dropout={sub.dropout:g})")
+        elif isinstance(sub, nn.RReLU):
+            found.append(f"{label} (RReLU)")
+    return found
+
+
+def refuse_unbindable(index: int, module: nn.Module) -> None:
+    """Raise `PlanError` when layer ``index`` has persistent buffers or draws random
+    numbers in training (see the module doc)."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     buffers = [name for name in module.state_dict(keep_vars=True) if name not in params]
     if buffers:
         raise PlanError(
             f"layer {index} ({type(module).__name__}) has buffers ({', '.join(buffers)}): "
             "job-arrays hold per-job parameters and optimizer state only, so a [sweep] "
             "cannot train this model"
+        )
+    random = _random_draws(module)
+    if random:
+        raise PlanError(
+            f"layer {index} ({type(module).__name__}) draws random numbers in training "
+            f"({', '.join(random)}): the jobs of an array share one random stream, so none "
+            "would train as alone; set its dropout to 0 to train it in a [sweep]"
         )
 
 
@@ -76,7 +109,7 @@ class Binder:
             per_layer: dict[int, JobLayerState] = {}
             for index in self.layers:
                 module = build_layer(index, job.seed)
-                refuse_buffers(index, module)
+                refuse_unbindable(index, module)
                 params = dict(module.named_parameters())
                 opt = make_optimizer(job, list(params.values())) if params else None
                 per_layer[index] = JobLayerState(params=params, optimizer=opt)

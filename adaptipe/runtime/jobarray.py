@@ -40,12 +40,12 @@ def plan_job_array(
 ) -> JobArrayPlan:
     """Profile, build the JAPSP instance for the (active) jobs, solve and compile it."""
     from adaptipe.profile.profiler import profile_model
-    from adaptipe.runtime.binder import refuse_buffers
+    from adaptipe.runtime.binder import refuse_unbindable
 
     assert config.sweep is not None
     jobs = [config.jobs[j] for j in (active if active is not None else range(len(config.jobs)))]
     for index in range(spec.num_layers):  # before any worker starts: the binder's rule
-        refuse_buffers(index, spec.build_layer(index, seed=jobs[0].seed, device="meta"))
+        refuse_unbindable(index, spec.build_layer(index, seed=jobs[0].seed, device="meta"))
     profiles: dict[int, Profile] = {}
     for job in jobs:
         if job.batch_size not in profiles:

@@ -5,8 +5,9 @@ A stage of a job-array holds every job's parameters and optimizer state for its 
 and the rest in host memory, and moves them along the stage's block order: before a
 block it makes sure the block's job is resident, then prefetches the jobs that come next
 in the order, offloading the resident job whose next use is farthest (Belady). Copies
-run on a dedicated CUDA stream (pinned host memory, events) or, on CPU, on one
-background thread, so a prefetch overlaps the blocks before it; it is on time when a
+run on two CUDA streams of their own, one for offloads and one for loads (pinned host
+memory, events), or, on CPU, on one background thread, so a prefetch overlaps the
+blocks before it; it is on time when a
 job's state moves faster than the shortest block (Eq. (2): sum of m / b_intra <= min r).
 
 A job whose first block on this stage ran and whose last has not (its forward ran, its
@@ -33,6 +34,8 @@ from adaptipe.schedule.types import Backward, Forward, Instruction, Recompute
 __all__ = ["MemoryManager", "block_order", "minimum_budget"]
 
 LogEvent = Literal["prefetch", "load", "evict"]
+LOG_LIMIT = 100_000
+"""Events `MemoryManager.log` keeps (it drops the older half when full)."""
 _Key = tuple[str, int, str, str]  # (kind, layer, parameter name, optimizer state key)
 
 
@@ -95,34 +98,47 @@ class _ThreadLoad:
 
 
 class _CpuMover:
-    """Copies on one background thread; "device" and host are both CPU memory."""
+    """Copies on one background thread; "device" and host are both CPU memory.
+
+    A copy that fails raises where its result is next needed: in the load of the state
+    it was writing, or at the next copy issued or `synchronize` (never silently: the
+    host buffers of a failed offload hold no state).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptipe-memory")
-        self._last: Future[Any] | None = None
+        self._pending: list[Future[Any]] = []
 
     def host_buffer(self, t: Tensor) -> Tensor:
         return torch.empty_like(t, device="cpu")
 
-    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> None:
-        pairs = [(dst[k], t) for k, t in src.items()]
-        self._last = self._pool.submit(_copy_all, pairs)
+    def _submit(self, fn: Any, *args: Any) -> Future[Any]:
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if f not in done]
+        for f in done:
+            f.result()  # an earlier copy failed: say so now (once)
+        future = self._pool.submit(fn, *args)
+        self._pending.append(future)
+        return future
+
+    def offload(self, src: dict[_Key, Tensor], dst: dict[_Key, Tensor]) -> Future[Any]:
+        return self._submit(_copy_all, [(dst[k], t) for k, t in src.items()])
 
     def load(self, src: dict[_Key, Tensor], after: Any = None) -> _Pending:
-        # One worker runs tasks in order: an earlier offload of ``src`` is done first.
         device = self.device
 
         def copy() -> dict[_Key, Tensor]:
+            if after is not None:  # the offload that wrote ``src`` (done: tasks run in order)
+                after.result()
             return {k: torch.empty_like(t, device=device).copy_(t) for k, t in src.items()}
 
-        future = self._pool.submit(copy)
-        self._last = future
-        return _ThreadLoad(future)
+        return _ThreadLoad(self._submit(copy))
 
     def synchronize(self) -> None:
-        if self._last is not None:
-            self._last.result()  # one worker runs tasks in order: the earlier ones are done
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -240,7 +256,7 @@ class MemoryManager:
         self.budget = budget
         self.prefetch = prefetch
         self.enabled = 0 < budget < num_jobs and bool(self.order)
-        self.log: list[tuple[LogEvent, int]] = []
+        self.log: list[tuple[LogEvent, int]] = []  # the latest events (tests, diagnostics)
         self.hits = self.misses = self.prefetches = self.evictions = 0
         self.wait_s = 0.0  # time before_block spent waiting for copies
         self._taken = (0.0, 0)  # wait_s and misses at the last take_window()
@@ -255,7 +271,7 @@ class MemoryManager:
         self._awaiting_step: set[int] = set()
         self._loading: dict[int, _Pending] = {}
         self._host_buffers: dict[int, dict[_Key, Tensor]] = {j: {} for j in range(num_jobs)}
-        self._offloaded: dict[int, Any] = {}  # job -> its offload's end (a CUDA event)
+        self._offloaded: dict[int, Any] = {}  # job -> its offload (a CUDA event or a future)
         self._mover: _CpuMover | _CudaMover = (
             _CudaMover(self.device) if self.device.type == "cuda" else _CpuMover(self.device)
         )
@@ -324,7 +340,10 @@ class MemoryManager:
     def take_window(self) -> tuple[int, float, int]:
         """Since the last call: the most job states resident at once (loads in flight
         count), the seconds blocks waited for states, and the misses (states loaded only
-        when their block needed them). Resets the peak to what is resident now."""
+        when their block needed them). Resets the peak to what is resident now.
+
+        On CUDA the wait is the host's: a block queued behind a copy that is still
+        running waits on the GPU, which this does not see."""
         wait, misses = self.wait_s - self._taken[0], self.misses - self._taken[1]
         self._taken = (self.wait_s, self.misses)
         peak = self._window_peak
@@ -374,6 +393,8 @@ class MemoryManager:
         for job in sorted(self.resident - set(jobs)):
             self._evict(job)
         self._mover.synchronize()
+        # the new order's first blocks: fetch them now, as if its last block had just run
+        self._prefetch(self._n - 1, pinned=set(self._open_after[self._n - 1]))
 
     def _set_order(self, order: Order) -> None:
         keys = _keys(order)
@@ -470,6 +491,8 @@ class MemoryManager:
         self._record("evict", job)
 
     def _record(self, event: LogEvent, job: int) -> None:
+        if len(self.log) >= LOG_LIMIT:  # a long run: keep the newer half
+            del self.log[: LOG_LIMIT // 2]
         self.log.append((event, job))
         occupancy = self._occupancy()
         self.peak_resident = max(self.peak_resident, occupancy)
@@ -522,6 +545,6 @@ class MemoryManager:
         self._install(job, {k: buffers[k] for k in src})
 
     def _take_host(self, job: int) -> dict[_Key, Tensor]:
-        # What the job's state points at now, not the buffers it was offloaded to: a
-        # checkpoint restore may have replaced optimizer state tensors since.
+        # What the job's state points at now: its host buffers, unless a checkpoint
+        # restore or the optimizer replaced state tensors since it was offloaded.
         return self._tensors(job)

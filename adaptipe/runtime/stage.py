@@ -69,7 +69,7 @@ class IterationStats:
     wait_s: float = 0.0
     comm_s: float = 0.0
     iteration_s: float = 0.0
-    loss: float | None = None  # summed over micro-batches (and jobs)
+    loss: float | None = None  # mean over micro-batches (and, of each job's mean, over jobs)
     losses: dict[int, float] = field(default_factory=dict)  # per job, summed over micro-batches
     microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)  # (job, mb)
     # Per global layer: forward time measured layer by layer; backward time is measured per

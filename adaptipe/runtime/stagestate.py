@@ -91,11 +91,24 @@ def build_stage(
                 )
             chunks.append(slots)
         return StageState(chunks, None)
+    # With a memory budget below the job count the job states start in host memory (the
+    # memory manager brings the first ones to the device): all of them on the device at
+    # once is what the budget is there to avoid. Layers are initialised on the CPU either
+    # way, so where they are built changes no value.
+    budget = config.sweep.memory_budget
+    host_first = device.type != "cpu" and 0 < budget < len(config.jobs)
     binder = Binder(
         layers=[i for layers in layer_lists for i in layers],
         jobs=config.jobs,
-        build_layer=lambda i, seed: spec.build_layer(i, seed=seed, device=device),
+        build_layer=lambda i, seed: spec.build_layer(
+            i, seed=seed, device="cpu" if host_first else device
+        ),
         make_optimizer=lambda job, params: job.optimizer.build(params),
     )
+    if host_first:  # the structures' constant buffers (a causal mask) run on the device
+        for structure in binder.structures.values():
+            for module in structure.modules():
+                for name, buf in list(module.named_buffers(recurse=False)):
+                    setattr(module, name, buf.to(device))
     chunks = [[LayerSlot(i, binder.structures[i], None) for i in layers] for layers in layer_lists]
     return StageState(chunks, binder)

@@ -341,6 +341,8 @@ def _train(
         if publisher is not None:
             cleanup.callback(publisher.close, linger_s=0.5)
         cleanup.callback(transport.close)  # first: a stuck link watcher must not hold us
+        if state.memory is not None:
+            cleanup.callback(state.memory.close)  # its copy thread
         _log(
             log,
             {
