@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -203,4 +204,64 @@ def test_local_search_stops_when_the_work_is_spent() -> None:
     assert capped.work < free.work / 10  # it ends at the first step past the limit
     budget = SearchBudget(deadline=math.inf, work_limit=3 * tab.n)
     job_moves(tab, seqs, timed[1], rng=random.Random(0), tries=500, budget=budget)
-    assert budget.work <= 3 * tab.n  # checked before each move: never past the limit
+    moves = tab.jobs * (tab.jobs - 1) // 2 + 2 * tab.jobs * (tab.jobs - 1)
+    assert budget.work <= 3 * tab.n + moves // 2  # past the limit by one shuffle at most
+
+
+def _trajectory(
+    monkeypatch: pytest.MonkeyPatch, tab: OpTable, seqs: list[list[int]], *, iters: int
+) -> tuple[list[tuple[tuple[int, ...], ...]], list[int]]:
+    """The orders tabu search stands on at each step, and how many moves each step timed."""
+    import adaptipe.japsp.local_search as ls
+
+    steps: list[tuple[tuple[int, ...], ...]] = []
+    timed: list[int] = []
+    real_blocks, real_timing = ls.critical_blocks, ls.semi_active
+
+    def blocks(tab_: OpTable, current: list[list[int]], start: list[float]) -> list[list[int]]:
+        steps.append(tuple(tuple(s) for s in current))
+        timed.append(0)
+        return real_blocks(tab_, current, start)
+
+    def timing(tab_: OpTable, trial: list[list[int]]) -> tuple[list[float], float] | None:
+        out = real_timing(tab_, trial)
+        if timed and out is not None:
+            timed[-1] += 1
+        return out
+
+    monkeypatch.setattr(ls, "critical_blocks", blocks)
+    monkeypatch.setattr(ls, "semi_active", timing)
+    tabu_search(
+        tab,
+        seqs,
+        iters=iters,
+        rng=random.Random(1),
+        floor=0.0,
+        budget=SearchBudget(deadline=math.inf),
+        exact=2,
+    )
+    return steps, timed
+
+
+def test_tabu_search_never_steps_straight_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The move just made is tabu to undo (it could only come back as a new best, and the
+    # order it left was no better than the best): no A -> B -> A in the walk. Without
+    # the tabu list such two-cycles are what a best-move descent does at a local optimum.
+    walked = 0
+    for seed in range(6):
+        inst = generate(5, 3, seed=seed, jitter=0.1, switch=0.05)
+        tab = OpTable.of(inst)
+        steps, _ = _trajectory(monkeypatch, tab, _random_orders(tab, random.Random(seed)), iters=60)
+        walked += len(steps)
+        assert all(steps[t] != steps[t + 2] for t in range(len(steps) - 2))
+    assert walked > 100  # the walks went on past local optima
+
+
+def test_tabu_search_times_at_most_exact_admissible_moves_a_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inst = generate(6, 4, seed=3, jitter=0.1, switch=0.05)
+    tab = OpTable.of(inst)
+    _, timed = _trajectory(monkeypatch, tab, _random_orders(tab, random.Random(3)), iters=40)
+    # exact=2 admissible moves a step; a tabu move timed and found no new best is extra
+    assert timed and max(timed) <= 2 + 3 and sum(t <= 2 for t in timed) >= 0.8 * len(timed)

@@ -313,5 +313,5 @@ def solve_bnb(
         optimal=finished or final[1] <= lb + _EPS,
         seconds=time.perf_counter() - t0,
         nodes=sum(s.nodes for s in searches),
-        stopped_by="search" if finished else "bound" if final[1] <= lb + _EPS else "clock",
+        stopped_by="bound" if final[1] <= root_lb + _EPS else "search" if finished else "clock",
     )

@@ -19,9 +19,10 @@ __all__ = ["WORK_PER_SECOND", "SearchBudget"]
 
 WORK_PER_SECOND = 1_000_000
 """Work units one second of time limit buys. On the 2-core development machine the GA
-does 1.5-1.8 million units a second once its search runs (6x4 to 64x8 instances of
-``bench/bench_japsp.py``), so it spends its work in about 55-70% of the time limit: a
-machine up to about a third slower still ends on the work, and gives the same schedule."""
+does 1.3-2.5 million units a second (6x4 to 64x8 instances of ``bench/bench_japsp.py``,
+another process beside it at times), so it spends its work in 40-80% of the time
+limit: a machine a little slower, or busier, still ends on the work and gives the same
+schedule; a much slower one ends on the clock and says so."""
 
 
 @dataclass(slots=True)

@@ -120,7 +120,7 @@ def solve_cpsat(
     timed = semi_active(tab, seqs)
     if timed is None:  # only possible when rounding reordered zero-length blocks
         raise PlanError("CP-SAT returned cyclic stage orders (time scaling too coarse)")
-    lb = lower_bound(tab)
+    lb = simple = lower_bound(tab)
     if exact:
         lb = max(lb, math.ceil(solver.BestObjectiveBound() - 1e-9) / scale)
     mk = timed[1]
@@ -132,5 +132,9 @@ def solve_cpsat(
         optimal=(exact and status == cp.OPTIMAL) or mk <= lb + 1e-9,
         seconds=time.perf_counter() - t0,
         nodes=int(solver.NumBranches()),
-        stopped_by="bound" if mk <= lb + 1e-9 else "search" if status == cp.OPTIMAL else "clock",
+        stopped_by="bound"
+        if mk <= simple + 1e-9
+        else "search"
+        if status == cp.OPTIMAL
+        else "clock",
     )

@@ -18,7 +18,8 @@ randomised, `adaptipe.japsp.baselines.shifting_bottleneck`) and, on small arrays
 over the best few of all distinct job orders (jobs of equal costs are one kind); a tabu
 search from those runs beside the GA, and the better answer wins. The search runs on a
 budget of counted work (`adaptipe.japsp.budget`), not on the clock, so a seed gives the
-same schedule on every run and machine, unless a machine too slow for the work hits the
+same schedule on every run and machine (with one Python version: `random` keeps its
+sequences across versions only for `random.random`), unless a machine too slow for the work hits the
 time limit first (``Result.stopped_by == "clock"``); it stops as soon as the makespan
 meets the lower bound.
 """
@@ -149,16 +150,13 @@ def _seeds(
     on big instances, where one costs more)."""
     out = [] if initial is None else [to_seqs(tab, initial)]
     out.extend(to_seqs(tab, make(inst).orders) for make in BASELINES.values())
+    budget.spend(tab.n * (tab.jobs + 40))  # the three baselines (round-robin's dispatch)
     out.extend(by_job_order)
-    # one shifting-bottleneck run: about S * S / 2 longest-path passes (3n units each)
-    cost = 3 * tab.stages * tab.stages * tab.n // 2
-    out.append(shifting_bottleneck(tab))
-    budget.spend(cost)
-    for _ in range(min(6, 300_000 // cost)):
+    out.append(shifting_bottleneck(tab, spend=budget.spend))
+    for _ in range(min(6, 200_000 // (tab.stages * tab.stages * tab.n))):
         if budget.exhausted():
             break
-        out.append(shifting_bottleneck(tab, noise=0.3, rng=rng))
-        budget.spend(cost)
+        out.append(shifting_bottleneck(tab, noise=0.3, rng=rng, spend=budget.spend))
     return out
 
 
@@ -181,7 +179,7 @@ def solve_ga(
     on a machine too slow for the work, at the time limit (``Result.stopped_by`` then
     says ``"clock"``). The constructive seeds (baselines, one shifting-bottleneck run,
     and on small arrays 1F1B over the best job orders, scored while work is left) are
-    always built, also for the plain GA, so a limit below their cost (about 0.1 s for
+    always built, also for the plain GA, so a limit below their cost (0.2-0.3 s for
     64 jobs x 8 stages) is overrun by it.
     ``initial`` adds a schedule to the first population; ``local_search=False`` leaves
     out the job moves and the tabu search (a plain GA).
@@ -203,6 +201,7 @@ def solve_ga(
         """Macro job moves and tabu search, alternating while the moves pay."""
         res = semi_active(tab, seqs)
         assert res is not None
+        budget.spend(tab.n)
         start, mk = res
         for rnd in range(3 if local_search else 0):
             seqs, moved = job_moves(tab, seqs, mk, rng=rng, tries=200, budget=budget)
@@ -212,6 +211,7 @@ def solve_ga(
                 tab, seqs, iters=ts_iters, rng=rng, floor=lb, budget=budget
             )
         ch = _chromosome(tab, start)
+        budget.spend(tab.n)  # the sort by start
         return decoded(ch)  # decoding left-shifts, so never worse than mk
 
     def decoded(ch: list[int]) -> tuple[float, list[int]]:
@@ -269,6 +269,7 @@ def solve_ga(
             child = _pox(rng, a[1], b[1], jobs) if rng.random() < 0.9 else list(a[1])
             if rng.random() < 0.4:
                 _mutate(rng, child, jobs)
+            budget.spend(tab.n)  # the crossover and mutation pass over the genes
             nxt.append(decoded(child))
         # polish the best child; replace a random one by the best, kicked and polished
         k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)

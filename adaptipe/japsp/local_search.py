@@ -114,11 +114,11 @@ def tabu_search(
     budget: SearchBudget,
     exact: int = 3,
 ) -> tuple[Seqs, list[float], float]:
-    """Tabu search over N5/N7 critical-block moves: each step takes the best admissible
-    move (not tabu, or better than the best makespan found) among the ``exact`` ranked
-    best by `move_estimate`, timed exactly. Returns the best orders, their starts and
-    makespan. Stops after ``iters`` steps, at ``floor`` (a lower bound) or when
-    ``budget`` is spent."""
+    """Tabu search over N5/N7 critical-block moves: each step times moves in the order
+    `move_estimate` ranks them until ``exact`` admissible ones (acyclic, and not tabu or
+    better than the best makespan found) are timed, and takes the best of those.
+    Returns the best orders, their starts and makespan. Stops after ``iters`` steps, at
+    ``floor`` (a lower bound), when ``budget`` is spent, or when no move is admissible."""
     n = tab.n
     res = semi_active(tab, seqs)
     assert res is not None
@@ -211,9 +211,10 @@ def job_moves(
     moves = [(a, b, kind) for a in range(jobs) for b in range(jobs) if a != b for kind in (0, 1, 2)]
     moves = [m for m in moves if m[2] or m[0] < m[1]]
     improved = True
-    while improved:
+    while improved and not budget.exhausted():
         improved = False
         rng.shuffle(moves)
+        budget.spend(len(moves) // 2)  # J^2 moves: the shuffle counts on many jobs
         for a, b, kind in moves[:tries]:
             if budget.exhausted():
                 return seqs, mk
