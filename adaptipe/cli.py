@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -662,7 +664,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AdaptipeError as exc:
         print(f"adaptipe {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt as exc:
+        from adaptipe.runtime.launch import Terminated
+
+        if isinstance(exc, Terminated):
+            print("terminated", file=sys.stderr)
+            return 128 + signal.SIGTERM
         print("interrupted", file=sys.stderr)
         return 130
 

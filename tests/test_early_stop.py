@@ -294,8 +294,9 @@ def test_controller_replans_for_the_remaining_jobs(prepared: tuple[RunDir, RunCo
     assert all(
         isinstance(i, Forward | Backward) or i.job in (1, 3) for s in mapped.stages for i in s
     )
-    # Stopping an already stopped job changes nothing; the last job cannot be stopped.
-    stop_jobs(run.root, [0])
+    # Stopping an already stopped job is refused and changes nothing.
+    with pytest.raises(PlanError, match=r"job\(s\) lr=0.05 already stopped; nothing to do"):
+        stop_jobs(run.root, [0])
     assert controller.poll() == [] and current_version(run) == 1
     stop_jobs(run.root, [1])
     assert [e["event"] for e in controller.poll()] == ["stop"]

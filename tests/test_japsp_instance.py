@@ -87,6 +87,7 @@ BAD = [
     (("jobs", 1, "name"), "a", ["jobs[1]", "'a'", "duplicates jobs[0]"]),
     (("jobs", 1, "name"), "", ["jobs[1].name", "non-empty"]),
     (("jobs", 1, "speed"), 1, ["jobs[1]", "'b'", "unknown field 'speed'"]),
+    (("stage",), 2, ["unknown field 'stage'", "allowed: stages, jobs"]),
 ]
 
 

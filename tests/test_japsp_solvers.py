@@ -372,3 +372,23 @@ def test_command_prints_json_and_a_summary(
     assert window["makespan"] == pytest.approx(3 * window["per_iteration"])
     assert _run(["japsp", str(file), "--window", "3"]) == 0
     assert "window of 3: makespan" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--window", "0"], "--window must be >= 1 (got 0)"),
+        (["--memory-budget", "-1", "--window", "2"], "--memory-budget must be >= 0 (got -1)"),
+        (["--window", "two"], "--window must be an integer (got 'two')"),
+    ],
+)
+def test_command_refuses_bad_flags_before_solving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    file = tmp_path / "array.json"
+    file.write_text(json.dumps(generate(3, 2, seed=1).to_json()))
+    with pytest.raises(SystemExit):
+        _run(["japsp", str(file), *flags])
+    assert said in capsys.readouterr().err
+    with pytest.raises(PlanError, match="--memory-budget caps the jobs in flight of a window"):
+        _run(["japsp", str(file), "--memory-budget", "2"])  # without --window

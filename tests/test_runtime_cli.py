@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -104,3 +105,41 @@ def test_worker_runs_under_torchrun_after_prepare(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = ckpt.latest(run_dir / "checkpoints")
     assert found is not None and found.name == "iter-000004"
+
+
+def test_a_diverged_loss_is_null_in_the_summary_json() -> None:
+    import json as _json
+    import math as _math
+
+    from adaptipe.runtime.launch import TrainSummary
+
+    summary = TrainSummary(
+        run_dir="r",
+        iterations=3,
+        start_iteration=0,
+        final_loss=_math.nan,
+        samples_per_s=1.0,
+        wall_s=1.0,
+        jobs=[{"job": 1, "val_loss": _math.inf, "train_loss": 0.5}],
+    )
+    text = _json.dumps(summary.to_json(), allow_nan=False)  # strict JSON: no NaN, Infinity
+    back = _json.loads(text)
+    assert back["final_loss"] is None and back["jobs"][0]["val_loss"] is None
+    assert back["jobs"][0]["train_loss"] == 0.5
+
+
+def test_a_batch_bigger_than_the_dataset_is_a_config_error(make_config: Any) -> None:
+    # Said before profiling (which would draw it) and before any worker starts.
+    from adaptipe.errors import PlanError
+    from adaptipe.runtime.config import RunConfig
+    from adaptipe.runtime.launch import resolve_plans
+
+    with pytest.raises(PlanError, match=r"\[data\] batch_size = 512 is more than the 256 samples"):
+        resolve_plans(make_config(data={"batch_size": 512, "microbatches": 1}))
+    data = make_config(data={"microbatches": 1}).to_dict()
+    data["sweep"] = {"grid": {"batch_size": [16, 1024]}, "solver": "1f1b"}
+    swept = RunConfig.from_dict(data, source="grid.toml")
+    with pytest.raises(
+        PlanError, match=r"grid.toml: \[sweep\] job 'batch_size=1024' batch_size = 1024 .*1\.\.256"
+    ):
+        resolve_plans(swept)

@@ -101,6 +101,8 @@ def test_killed_worker_is_reported_within_seconds_and_the_run_resumes_exactly(
     resumed = train(cfg, run_dir=run_dir, resume=True)
     assert resumed.start_iteration == int(last.name.split("-")[1])
     assert resumed.start_iteration + resumed.iterations == 400
+    with pytest.raises(PlanError, match=r"the run is complete .*all 400 iterations"):
+        train(cfg, run_dir=run_dir, resume=True)  # said at once: no workers start
 
     straight = train(
         make_config(
@@ -172,3 +174,68 @@ def test_microbatch_count_the_schedule_cannot_use_is_refused(
             pipeline={"schedule": "interleaved", "stages": 4, "virtual": 2},
             data={"microbatches": 2, "batch_size": 16},
         )
+
+
+_LONG_RUN = """
+[model]
+name = "mlp"
+[model.config]
+in_features = 8
+hidden = 16
+depth = 6
+out_features = 4
+num_samples = 256
+[data]
+batch_size = 16
+microbatches = 4
+[optimizer]
+name = "sgd"
+lr = 0.05
+[pipeline]
+stages = 2
+schedule = "1f1b"
+[train]
+iterations = 1000000
+threads_per_stage = 1
+timeout_s = 60
+run_dir = "{run_dir}"
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_manager_killed_from_outside_leaves_no_stage_running(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    # SIGTERM (kill, timeout, batch schedulers) ends the stages as Ctrl-C does; if the
+    # manager dies by SIGKILL, the stages get SIGTERM from the kernel (Linux).
+    import subprocess
+    import sys
+
+    if sig == signal.SIGKILL and not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    run_dir = tmp_path / "run"
+    config = tmp_path / "long.toml"
+    config.write_text(_LONG_RUN.format(run_dir=run_dir))
+    with (tmp_path / "out.txt").open("w") as out:
+        manager = subprocess.Popen(
+            [sys.executable, "-m", "adaptipe.cli", "train", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    pids: list[int] = []
+    try:
+        pids = _wait_for_iteration(run_dir, 1, 2)
+        manager.send_signal(sig)
+        code = manager.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a stage process outlived its manager"
+        if sig == signal.SIGTERM:
+            assert code == 128 + signal.SIGTERM
+            assert "terminated" in (tmp_path / "out.txt").read_text()
+    finally:
+        for pid in [manager.pid, *pids]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        manager.wait(timeout=10)

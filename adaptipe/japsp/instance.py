@@ -128,6 +128,9 @@ class JapspInstance:
         """Parse the JSON form; errors name ``source``, the job (index and name) and field."""
         if not isinstance(data, dict):
             raise PlanError(f"{source}: top level must be an object (got {type(data).__name__})")
+        unknown = sorted(set(data) - {"stages", "jobs"})
+        if unknown:
+            raise PlanError(f"{source}: unknown field {unknown[0]!r} (allowed: stages, jobs)")
         if "stages" not in data:
             raise PlanError(f"{source}: stages is missing (the number of pipeline stages)")
         stages = data["stages"]

@@ -155,7 +155,7 @@ def add_japsp_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--window",
-        type=int,
+        type=_at_least(1, "--window"),
         default=1,
         metavar="R",
         help="also plan a window of R iterations whose blocks overlap ([sweep] window): "
@@ -163,7 +163,7 @@ def add_japsp_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-budget",
-        type=int,
+        type=_at_least(0, "--memory-budget"),
         default=0,
         metavar="K",
         help="with --window: at most K jobs in flight per stage ([sweep] memory_budget)",
@@ -173,9 +173,25 @@ def add_japsp_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _at_least(least: int, flag: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer (got {text!r})") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {least} (got {value})")
+        return value
+
+    return parse
+
+
 def run_japsp_command(args: argparse.Namespace) -> int:
     """Load the instance, solve, print; returns the exit status."""
     from adaptipe.serial import load_json_file
+
+    if args.memory_budget and args.window == 1:
+        raise PlanError("--memory-budget caps the jobs in flight of a window: give --window R")
 
     inst = load_json_file(args.instance, JapspInstance.from_json)
     result = solve(

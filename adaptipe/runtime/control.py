@@ -281,6 +281,9 @@ def stop_jobs(
         raise PlanError(f"{run.root}: name at least one job to stop")
     indices = _resolve_jobs(config, jobs, str(run.root))
     active = read_active(run, current_version(run), config)
+    if not set(indices) & set(active.jobs):
+        names = ", ".join(config.jobs[j].name for j in sorted(set(indices)))
+        raise PlanError(f"{run.root}: job(s) {names} already stopped; nothing to do")
     if not set(active.jobs) - set(indices):
         raise PlanError(
             f"{run.root}: stopping {sorted(set(indices))} would leave no job running "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -47,12 +48,45 @@ if TYPE_CHECKING:
     from adaptipe.inject.runner import Event as InjectEvent
     from adaptipe.inject.scenario import Scenario
 
-__all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
+__all__ = [
+    "Plans",
+    "StageFailed",
+    "Terminated",
+    "TrainSummary",
+    "prepare",
+    "resolve_plans",
+    "train",
+]
 
 _STAGE_FIELDS = ("compute_s", "wait_s", "comm_s")  # per-stage means in the summary
 _ARRAY_FIELDS = ("resident_jobs", "state_wait_s")  # job-arrays' memory manager
 
 _KILL_GRACE_S = 3.0
+
+
+class Terminated(KeyboardInterrupt):
+    """``adaptipe train`` got SIGTERM (``kill``, ``timeout``, a batch scheduler): it stops
+    its stage processes as on Ctrl-C before it exits."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Any:
+    """Turn SIGTERM into `Terminated` while training (main thread only), so the cleanup
+    that ends the stage processes runs; the default action would orphan them."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated("terminated (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class StageFailed(AdaptipeError, RuntimeError):
@@ -72,7 +106,19 @@ class TrainSummary:
     jobs: list[dict[str, Any]] = field(default_factory=list)  # sweeps: ranked by validation loss
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Strict JSON: a diverged loss (NaN, infinite) is null, not ``NaN``."""
+        out: dict[str, Any] = _finite(asdict(self))
+        return out
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +134,15 @@ class Plans:
 def resolve_plans(config: RunConfig) -> Plans:
     """The partition and schedule a config asks for (profiling first if a planner needs it)."""
     spec = get_model(config.model.name, **config.model.config)
+    samples = len(spec.dataset(split=config.data.split))
+    for job in config.jobs:  # before profiling, which would draw a batch this big
+        if job.batch_size > samples:
+            where = f"[sweep] job {job.name!r}" if config.sweep is not None else "[data]"
+            raise PlanError(
+                f"{config.source}: {where} batch_size = {job.batch_size} is more than the "
+                f"{samples} samples of {spec.name}'s {config.data.split} split (allowed: "
+                f"1..{samples})"
+            )
     p = config.pipeline
     sweep = config.sweep is not None
     num = p.stages * p.virtual
@@ -262,7 +317,7 @@ def _spawn(
                 else {}
             ),
             **({CONTROL_DIR_ENV: str(control_dir)} if control_dir else {}),
-            **{MANAGER_ENV: "1"},  # the workers know a manager decides halvings
+            **{MANAGER_ENV: str(os.getpid())},  # a manager decides halvings; it is this one
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
         )
         cmd = [sys.executable, "-m", "adaptipe.runtime.worker", "--run-dir", str(run.root)]
@@ -354,6 +409,12 @@ def train(
             found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
         )
         start = int(meta["iteration"])
+        total = cfg.iterations_total(len(spec.dataset(split=cfg.data.split)))
+        if start >= total:
+            raise PlanError(
+                f"{run.root}: the run is complete (checkpoint {found.name} holds all {total} "
+                "iterations); nothing to resume"
+            )
         schedule = run.read_schedule()
     else:
         run, cfg = prepare(config, run_dir=run_dir)
@@ -426,6 +487,7 @@ def _run(
         run.drop_torn_line(log)  # appended to below
     try:
         with (
+            _sigterm_raises(),
             run.metrics.open("a") as metrics,
             (run.root / "control.jsonl").open("a") as control_log,
         ):

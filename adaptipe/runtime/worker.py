@@ -729,6 +729,26 @@ def _log(fh: TextIO, record: dict[str, Any]) -> None:
     fh.flush()
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM when the process that started this worker (the manager) dies,
+    even by SIGKILL, so no stage trains on with nobody reading its metrics."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import ctypes.util
+    import signal
+
+    pr_set_pdeathsig = 1
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # best effort: the manager's cleanup still ends the workers it can
+    manager = os.environ.get(MANAGER_ENV, "")
+    if manager.isdigit() and os.getppid() != int(manager):  # it died before the request
+        raise SystemExit("the manager that started this worker has exited")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaptipe.runtime.worker", description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -737,6 +757,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    if MANAGER_ENV in os.environ:
+        _die_with_parent()
     try:
         run_worker(args.run_dir, resume=args.resume)
     except BaseException as exc:  # report every failure, including KeyboardInterrupt
