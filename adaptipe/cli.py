@@ -330,6 +330,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     out = Console()
     done = summary.start_iteration + summary.iterations
     loss = "-" if summary.final_loss is None else f"{summary.final_loss:.4f}"
+    if summary.jobs:  # a job-array: the last iteration's mean over the jobs still training
+        loss += " (mean over the jobs training at the end; each job's below)"
     out.print(
         f"trained iterations {summary.start_iteration}..{done} in {summary.wall_s:.1f} s: "
         f"final loss {loss}, {summary.samples_per_s:.0f} samples/s (steady state)"
@@ -384,7 +386,15 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         f"asked {args.run_dir} to stop job(s) {', '.join(map(str, stopped))}; the array is "
         "re-planned and switches at the next window boundary"
     )
-    if manager_running(RunDir(Path(args.run_dir))) is False:
+    run = RunDir(Path(args.run_dir))
+    if not run.metrics.exists() and not any((run.root / "stages").glob("stage-*.jsonl")):
+        print(
+            "note: this run has not started training; workers started on it (torchrun) "
+            "take the request up, a new `adaptipe train` of the config starts afresh "
+            "without it",
+            file=sys.stderr,
+        )
+    elif manager_running(run) is False:
         print(
             "note: no `adaptipe train` manages this run now (it stopped before its last "
             f"iteration, or its workers run under torchrun); the request applies when "

@@ -253,6 +253,9 @@ def test_stop_says_when_no_manager_will_answer(
     run, _ = prepared
     assert manager_running(run) is False  # prepared, never trained
     assert main(["stop", str(run.root), "0"]) == 0
+    assert "this run has not started training" in capsys.readouterr().err
+    run.stage_metrics(0).write_text('{"event": "ready"}\n')  # its workers started (torchrun)
+    assert main(["stop", str(run.root), "2"]) == 0
     assert "no `adaptipe train` manages this run now" in capsys.readouterr().err
     mark_manager(run, running=True)
     assert manager_running(run) is True

@@ -371,7 +371,11 @@ def test_command_prints_json_and_a_summary(
     assert window["per_iteration"] <= out["makespan"] + 1e-9
     assert window["makespan"] == pytest.approx(3 * window["per_iteration"])
     assert _run(["japsp", str(file), "--window", "3"]) == 0
-    assert "window of 3: makespan" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "window of 3: makespan" in text and "less than one iteration at a time)" in text
+    assert _run(["japsp", str(file), "--window", "3", "--memory-budget", "1"]) == 0
+    text = capsys.readouterr().out  # one job in flight: no overlap, and the budget costs
+    assert "more than one iteration at a time with no budget), rule serial (rounds one" in text
 
 
 @pytest.mark.parametrize(

@@ -122,7 +122,12 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
         ({"jobs": []}, {}, "[[sweep.jobs]] must list at least one job"),
         ({"jobs": [{"lr": 0.1}, {"lr": -1.0}]}, {}, "[[sweep.jobs]][1].lr must be > 0 (got -1.0)"),
         ({"jobs": [{"lr": 0.1, "dropout": 0.1}]}, {}, "[[sweep.jobs]][0].dropout is not a field"),
-        ({"jobs": [{"name": "x"}, {"name": "x"}]}, {}, "job names must be unique (repeated: x)"),
+        ({"jobs": [{"name": "x"}, {"name": "x"}]}, {}, "job names repeat (repeated: x)"),
+        (
+            {"grid": {"lr": [0.1, 0.1]}},
+            {},
+            "a [sweep.grid] list repeats a value (repeated: lr=0.1)",
+        ),
         ({"grid": {"optimizer": ["lion"]}}, {}, "must be one of sgd, adam, adamw (got 'lion')"),
         (
             {"grid": {"lr": [0.1]}, "solver": "magic"},
@@ -160,7 +165,8 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
             {},
             "[sweep].budget is not a field (allowed: grid, jobs, solver, memory_budget",
         ),
-        ({"grid": {}}, {}, "[sweep.grid] must be a table of lists"),
+        ({"grid": {}}, {}, "[sweep.grid] is empty"),
+        ({"grid": [1]}, {}, "[sweep.grid] must be a table of lists"),
         ({"grid": {"lr": [0.1]}, "memory_budget": -1}, {}, "[sweep].memory_budget must be >= 0"),
         ({"grid": {"lr": [0.1]}, "window": 0}, {}, "[sweep].window must be >= 1"),
         ({"grid": {"lr": [0.1]}, "time_limit_s": 0}, {}, "[sweep].time_limit_s must be > 0"),

@@ -36,6 +36,11 @@ per-job jitter a 6x4 instance can take ~8 s of CPU and 5x4 up to ~3 s under load
 default (``auto_threshold`` raises it)."""
 _DEFAULT_LIMIT = {"bb": 10.0, "ga": 1.0, "cpsat": 10.0}
 _COUNTED = {"ga": "work units", "cpsat": "branches"}  # what `Result.nodes` counts
+_RULE_SAYS = {
+    "serial": "rounds one after another",
+    "fit": "a later round's block fills a gap it fits",
+    "eager": "any block that can start first goes",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +239,15 @@ def run_japsp_command(args: argparse.Namespace) -> int:
         print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))
     if window is not None:
         per = window.makespan / window.rounds
+        change = per / result.makespan - 1
+        versus = (
+            f"{100 * -change:.1f}% less than" if change <= 0 else f"{100 * change:.1f}% more than"
+        )
+        unbudgeted = " with no budget" if args.memory_budget else ""
         print(
             f"window of {window.rounds}: makespan {window.makespan:g}, {per:g} per iteration "
-            f"({100 * (1 - per / result.makespan):.1f}% less than one at a time), rule "
-            f"{window.rule}; round order:"
+            f"({versus} one iteration at a time{unbudgeted}), rule {window.rule} "
+            f"({_RULE_SAYS[window.rule]}); round order:"
         )
         for s, stage in enumerate(round_orders):
             print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))

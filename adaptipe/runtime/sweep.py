@@ -149,8 +149,9 @@ def parse_sweep(
     names = [job.name for job in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
+        what = "a [sweep.grid] list repeats a value" if "grid" in raw else "job names repeat"
         raise PlanError(
-            f"{source}: [sweep] job names must be unique (repeated: {', '.join(dupes)})"
+            f"{source}: [sweep] jobs must differ: {what} (repeated: {', '.join(dupes)})"
         )
     kw: dict[str, Any] = {"source": source, "prefix": "[sweep]."}
     keep = get_float(raw, "halving_keep", default=0.5, **kw)
@@ -171,8 +172,10 @@ def parse_sweep(
 
 
 def _grid(grid: Any, source: str) -> list[tuple[dict[str, Any], str]]:
-    if not isinstance(grid, Mapping) or not grid:
+    if not isinstance(grid, Mapping):
         raise PlanError(f"{source}: [sweep.grid] must be a table of lists (e.g. lr = [1e-3, 3e-3])")
+    if not grid:
+        raise PlanError(f"{source}: [sweep.grid] is empty (give lists, e.g. lr = [1e-3, 3e-3])")
     axes: list[tuple[str, list[Any]]] = []
     for key, values in grid.items():
         if key not in JOB_FIELDS or key == "name":
