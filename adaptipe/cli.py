@@ -482,8 +482,15 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
     run, config = prepare(args.config, run_dir=args.run_dir)
     partition = run.read_partition()
+    # A job-array's block order comes from its JAPSP solver, not [pipeline].schedule.
+    schedule = (
+        f"{len(config.jobs)} jobs in JAPSP windows of {config.sweep.window} "
+        f"([sweep].solver {config.sweep.solver})"
+        if config.sweep is not None
+        else config.pipeline.schedule
+    )
     print(
-        f"wrote the plans of {args.config} to {run.root}: {config.pipeline.schedule} over "
+        f"wrote the plans of {args.config} to {run.root}: {schedule} over "
         f"{config.pipeline.stages} stage(s), partition bounds {list(partition.bounds)}"
     )
     print(

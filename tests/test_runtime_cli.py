@@ -143,3 +143,16 @@ def test_a_batch_bigger_than_the_dataset_is_a_config_error(make_config: Any) -> 
         PlanError, match=r"grid.toml: \[sweep\] job 'batch_size=1024' batch_size = 1024 .*1\.\.256"
     ):
         resolve_plans(swept)
+
+
+def test_prepare_names_the_japsp_order_of_a_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "sweep.toml"
+    config.write_text(
+        TINY.replace("microbatches = 4", "microbatches = 1")
+        + '\n[sweep]\nsolver = "1f1b"\nwindow = 2\n[sweep.grid]\nlr = [0.05, 0.1]\n'
+    )
+    assert main(["prepare", str(config), "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "2 jobs in JAPSP windows of 2 ([sweep].solver 1f1b) over 2 stage(s)" in out
