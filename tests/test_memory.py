@@ -191,38 +191,6 @@ def _skipped_sooner(
     return bad
 
 
-def test_a_layer_with_buffers_is_refused_by_the_binder() -> None:
-    # Blocks would share job 0's batch-norm statistics: the jobs would not train as alone.
-    job = JobSpec(
-        index=0,
-        name="a",
-        optimizer=OptimizerSection(name="sgd", lr=0.1),
-        batch_size=4,
-        seed=0,
-        data_seed=0,
-    )
-    with pytest.raises(PlanError, match=r"layer 3 \(BatchNorm1d\) has buffers \(running_mean"):
-        Binder(
-            layers=[3],
-            jobs=[job],
-            build_layer=lambda index, seed: nn.BatchNorm1d(4),
-            make_optimizer=lambda job, params: job.optimizer.build(params),
-        )
-
-    class Masked(nn.Linear):  # a constant buffer, left out of checkpoints, may be shared
-        def __init__(self) -> None:
-            super().__init__(4, 4)
-            self.register_buffer("mask", torch.ones(4), persistent=False)
-
-    binder = Binder(
-        layers=[3],
-        jobs=[job],
-        build_layer=lambda index, seed: Masked(),
-        make_optimizer=lambda job, params: job.optimizer.build(params),
-    )
-    assert set(binder.states[0][3].params) == {"weight", "bias"}
-
-
 def _one_job() -> JobSpec:
     return JobSpec(
         index=0,
@@ -232,6 +200,29 @@ def _one_job() -> JobSpec:
         seed=0,
         data_seed=0,
     )
+
+
+def _bind_one(make: Callable[[], nn.Module]) -> Binder:
+    """A one-job binder of layer 3, built by ``make``."""
+    return Binder(
+        layers=[3],
+        jobs=[_one_job()],
+        build_layer=lambda index, seed: make(),
+        make_optimizer=lambda job, params: job.optimizer.build(params),
+    )
+
+
+def test_a_layer_with_buffers_is_refused_by_the_binder() -> None:
+    # Blocks would share job 0's batch-norm statistics: the jobs would not train as alone.
+    with pytest.raises(PlanError, match=r"layer 3 \(BatchNorm1d\) has buffers \(running_mean"):
+        _bind_one(lambda: nn.BatchNorm1d(4))
+
+    class Masked(nn.Linear):  # a constant buffer, left out of checkpoints, may be shared
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    assert set(_bind_one(Masked).states[0][3].params) == {"weight", "bias"}
 
 
 @pytest.mark.parametrize(
@@ -247,18 +238,8 @@ def test_a_layer_that_draws_random_numbers_is_refused_by_the_binder(
 ) -> None:
     # The jobs' blocks interleave on one random stream: each would draw other masks.
     with pytest.raises(PlanError, match=f"layer 3 .*draws random numbers in training .*{named}"):
-        Binder(
-            layers=[3],
-            jobs=[_one_job()],
-            build_layer=lambda index, seed: make(),
-            make_optimizer=lambda job, params: job.optimizer.build(params),
-        )
-    quiet = Binder(  # dropout 0 draws nothing
-        layers=[3],
-        jobs=[_one_job()],
-        build_layer=lambda index, seed: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)),
-        make_optimizer=lambda job, params: job.optimizer.build(params),
-    )
+        _bind_one(make)
+    quiet = _bind_one(lambda: nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0)))  # draws nothing
     assert set(quiet.states[0][3].params) == {"0.weight", "0.bias"}
 
 
@@ -272,13 +253,7 @@ def test_tied_weights_are_parameters_not_buffers() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return self.b(self.a(x))
 
-    binder = Binder(
-        layers=[0],
-        jobs=[_one_job()],
-        build_layer=lambda index, seed: Tied(),
-        make_optimizer=lambda job, params: job.optimizer.build(params),
-    )
-    assert "a.weight" in binder.states[0][0].params
+    assert "a.weight" in _bind_one(Tied).states[0][3].params
 
 
 def test_a_failed_offload_copy_is_raised_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:

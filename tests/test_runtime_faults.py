@@ -21,6 +21,7 @@ from adaptipe.errors import PlanError
 from adaptipe.runtime import StageFailed, train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.worker import FAULT_ENV
+from tests.test_runtime_cli import TINY
 
 
 def _stage_records(run_dir: Path, stage: int) -> list[dict[str, Any]]:
@@ -176,30 +177,10 @@ def test_microbatch_count_the_schedule_cannot_use_is_refused(
         )
 
 
-_LONG_RUN = """
-[model]
-name = "mlp"
-[model.config]
-in_features = 8
-hidden = 16
-depth = 6
-out_features = 4
-num_samples = 256
-[data]
-batch_size = 16
-microbatches = 4
-[optimizer]
-name = "sgd"
-lr = 0.05
-[pipeline]
-stages = 2
-schedule = "1f1b"
-[train]
-iterations = 1000000
-threads_per_stage = 1
-timeout_s = 60
-run_dir = "{run_dir}"
-"""
+# the CLI tests' tiny config, training far longer than any test waits
+_LONG_RUN = TINY.replace("iterations = 4", "iterations = 1000000").replace(
+    "checkpoint_every = 2", "checkpoint_every = 0"
+)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
@@ -215,10 +196,10 @@ def test_a_manager_killed_from_outside_leaves_no_stage_running(
         pytest.skip("the parent-death signal is Linux's")
     run_dir = tmp_path / "run"
     config = tmp_path / "long.toml"
-    config.write_text(_LONG_RUN.format(run_dir=run_dir))
+    config.write_text(_LONG_RUN)
     with (tmp_path / "out.txt").open("w") as out:
         manager = subprocess.Popen(
-            [sys.executable, "-m", "adaptipe.cli", "train", str(config)],
+            [sys.executable, "-m", "adaptipe.cli", "train", str(config), "--run-dir", str(run_dir)],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
