@@ -24,7 +24,7 @@ from adaptipe.models import ModelSpec, get_model
 from adaptipe.models.data import Dataset
 from adaptipe.models.spec import LayerSpec, Split
 from adaptipe.plan.partition import Partition
-from adaptipe.runtime.data import BatchStream, loss_scale, split_microbatches
+from adaptipe.runtime.data import BatchStream, RoundFeed, loss_scale, split_microbatches
 from adaptipe.runtime.reference import (
     ReferenceResult,
     _forward_versions,
@@ -148,6 +148,42 @@ def test_split_microbatches_cuts_equal_contiguous_chunks() -> None:
         split_microbatches(x, y, 5)
     with pytest.raises(ValueError, match="differ in batch size"):
         split_microbatches(x, y[:6], 2)
+
+
+def test_round_feed_reads_each_round_when_first_needed_and_holds_two() -> None:
+    dataset = mlp().dataset()
+    want = [
+        split_microbatches(x, y, 2)
+        for x, y in islice(BatchStream(dataset, batch_size=12, seed=3), 4)
+    ]
+    stream = BatchStream(dataset, batch_size=12, seed=3)
+    feed = RoundFeed(stream, rounds=4, per_round=2)
+    assert len(feed) == 8 and stream.iteration == 0  # nothing read yet
+    for index in range(8):
+        r, i = divmod(index, 2)
+        x, y = feed[index]
+        assert x is not None and y is not None
+        assert torch.equal(x, want[r][i][0]) and torch.equal(y, want[r][i][1])
+        assert stream.iteration == r + 1  # round r read on its first use, not before
+        assert feed.held_rounds <= 2
+    with pytest.raises(IndexError, match="round 1 was asked for after round 3"):
+        feed[2]
+    with pytest.raises(IndexError, match=r"outside 0\.\.7"):
+        feed[8]
+    feed.finish()
+    assert feed.held_rounds == 0 and stream.iteration == 4
+
+
+def test_round_feed_finish_keeps_the_stream_aligned_and_drops_unneeded_sides() -> None:
+    dataset = mlp().dataset()
+    stream = BatchStream(dataset, batch_size=12, seed=3)
+    feed = RoundFeed(stream, rounds=3, per_round=1, keep_input=False)
+    x, y = feed[1]  # round 0 is read on the way (streams are read in order)
+    assert x is None and y is not None and stream.iteration == 2
+    feed.finish()  # round 2 was never asked for: still read
+    assert stream.iteration == 3
+    later = next(stream)
+    assert torch.equal(later[0], list(islice(BatchStream(dataset, batch_size=12, seed=3), 4))[3][0])
 
 
 def test_loss_scale_makes_each_step_a_sample_mean() -> None:

@@ -8,7 +8,7 @@ the same `split_microbatches` and scale each micro-batch loss by the same `loss_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import islice
 
 import torch
@@ -17,7 +17,7 @@ from torch import Tensor
 from adaptipe.models.data import Dataset
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["BatchStream", "loss_scale", "split_microbatches"]
+__all__ = ["BatchStream", "RoundFeed", "loss_scale", "split_microbatches"]
 
 
 def _check_int(what: str, value: object, minimum: int) -> int:
@@ -95,6 +95,85 @@ class BatchStream:
             f"BatchStream({self._dataset.name!r}, batch_size={self._batch_size}, "
             f"seed={self._seed}, iteration={self._iteration})"
         )
+
+
+Pair = tuple[Tensor | None, Tensor | None]
+
+
+class RoundFeed(Sequence[Pair]):
+    """One job's micro-batches for ``rounds`` consecutive iterations, read on first use.
+
+    Item ``r * per_round + i`` is micro-batch ``i`` of the job's mini-batch of round
+    ``r``. A round's mini-batch is read from ``stream`` (and moved to ``device``) the
+    first time one of its micro-batches is asked for, so a window of many iterations
+    does not hold all its data at once. A stage asks for a job's rounds in order (its
+    next forward follows its own backward and update), so reading round ``r`` drops the
+    rounds before ``r - 1``: at most two rounds are held. Asking for a dropped round is
+    a bug and raises. `finish` reads the rounds nobody asked for, so the stream ends
+    ``rounds`` mini-batches further on whatever ran.
+
+    ``keep_input`` / ``keep_target``: whether this stage needs the inputs (it holds the
+    first layers) and the targets (the last); the other side comes back as ``None``.
+    """
+
+    def __init__(
+        self,
+        stream: Iterator[tuple[Tensor, Tensor]],
+        *,
+        rounds: int,
+        per_round: int,
+        device: torch.device | str = "cpu",
+        keep_input: bool = True,
+        keep_target: bool = True,
+    ) -> None:
+        self._stream = stream
+        self._rounds = _check_int("rounds", rounds, 1)
+        self._per_round = _check_int("per_round", per_round, 1)
+        self._device = torch.device(device)
+        self._keep = (keep_input, keep_target)
+        self._held: dict[int, list[Pair]] = {}
+        self._read = 0  # rounds read from the stream so far
+
+    def __len__(self) -> int:
+        return self._rounds * self._per_round
+
+    def __getitem__(self, index: int) -> Pair:  # type: ignore[override]
+        if not isinstance(index, int) or not 0 <= index < len(self):
+            raise IndexError(f"micro-batch {index!r} outside 0..{len(self) - 1}")
+        r, i = divmod(index, self._per_round)
+        if r not in self._held:
+            if r < self._read:
+                raise IndexError(
+                    f"round {r} was asked for after round {self._read - 1}: rounds are "
+                    "read in order and dropped once two later ones are held"
+                )
+            while self._read <= r:
+                self._load()
+            for old in [k for k in self._held if k < r - 1]:
+                del self._held[old]
+        return self._held[r][i]
+
+    def _load(self) -> None:
+        x, y = next(self._stream)
+        keep_input, keep_target = self._keep
+        dev = self._device
+        self._held[self._read] = [
+            (xi.to(dev) if keep_input else None, yi.to(dev) if keep_target else None)
+            for xi, yi in split_microbatches(x, y, self._per_round)
+        ]
+        self._read += 1
+
+    @property
+    def held_rounds(self) -> int:
+        """Rounds whose tensors are held now."""
+        return len(self._held)
+
+    def finish(self) -> None:
+        """Read the rounds not asked for and drop everything held."""
+        while self._read < self._rounds:
+            next(self._stream)
+            self._read += 1
+        self._held.clear()
 
 
 def split_microbatches(x: Tensor, y: Tensor, microbatches: int) -> list[tuple[Tensor, Tensor]]:

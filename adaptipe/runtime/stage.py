@@ -47,9 +47,10 @@ from adaptipe.schedule.types import (
     SendGradient,
 )
 
-__all__ = ["IterationStats", "LayerSlot", "StageExecutor"]
+__all__ = ["IterationStats", "LayerSlot", "MicroBatches", "StageExecutor"]
 
-MicroBatches = list[tuple[Tensor | None, Tensor | None]]
+MicroBatches = Sequence[tuple[Tensor | None, Tensor | None]]
+"""One job's ``(input, target)`` per micro-batch; read when a block first needs one."""
 
 
 @dataclass(slots=True)
@@ -327,18 +328,19 @@ class StageExecutor:
                     case Forward(job=j, microbatch=m, chunk=c, version=v):
                         if self.memory is not None:
                             self.memory.before_block(j)
-                        t0 = time.perf_counter()
                         key = (j, m, c)
                         g = self._vstage(c)
+                        # Reading the data is not the block's compute (a feed may load it now).
                         x = microbatches[j][m][0] if g == 0 else inputs.pop(key)
+                        target = microbatches[j][m][1] if g == last_vstage else None
                         assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
+                        t0 = time.perf_counter()
                         if x.is_floating_point() and g > 0:
                             x.requires_grad_(True)
                         params = self._snapshot(base + v)[c] if self.versioned else None
                         with torch.set_grad_enabled(not recompute):
                             out = self._run(j, c, x, params)
                             if g == last_vstage:
-                                target = microbatches[j][m][1]
                                 assert target is not None, (
                                     f"stage {self.stage}: no target for micro-batch {m}"
                                 )
@@ -357,14 +359,14 @@ class StageExecutor:
                     case Recompute(job=j, microbatch=m, chunk=c):
                         if self.memory is not None:
                             self.memory.before_block(j)
-                        t0 = time.perf_counter()
                         st = stash[(j, m, c)]
                         g = self._vstage(c)
+                        target = microbatches[j][m][1] if g == last_vstage else None
+                        t0 = time.perf_counter()
                         params = self._snapshot(st.version)[c] if self.versioned else None
                         with torch.enable_grad():
                             out = self._run(j, c, st.inp, params)
                             if g == last_vstage:
-                                target = microbatches[j][m][1]
                                 assert target is not None
                                 out = self.loss_fn(out, target) * self.loss_scale
                         st.out = out

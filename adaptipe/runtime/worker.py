@@ -39,10 +39,10 @@ from adaptipe.monitor.schema import StageStats
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig, resolve_backend
 from adaptipe.runtime.control import ActiveFollower, ActiveSet, is_rung
-from adaptipe.runtime.data import BatchStream, loss_scale, split_microbatches
+from adaptipe.runtime.data import BatchStream, RoundFeed, loss_scale
 from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.stage import IterationStats, StageExecutor
+from adaptipe.runtime.stage import IterationStats, MicroBatches, StageExecutor
 from adaptipe.runtime.stagestate import StageState, build_stage
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import (
@@ -395,24 +395,25 @@ def _train(
                 if switched is not None:
                     windows.adopt(switched)
                 executor = windows.executor(rounds, slowdown=executor.slowdown)
-            per_job: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = []
-            for j, stream in enumerate(streams):
-                if j not in active:  # a stopped job reads no more data
-                    per_job.append([(None, None)] * (m * rounds))
-                    continue
-                batches: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-                for _ in range(rounds):
-                    x, y = next(stream)
-                    pairs = split_microbatches(x.to(device), y.to(device), m)
-                    batches += [
-                        (xi if holds_first else None, yi if holds_last else None)
-                        for xi, yi in pairs
-                    ]
-                per_job.append(batches)
-            if not streams:
-                per_job = [[(None, None)] * (m * rounds) for _ in jobs]
+            # Each job's rounds are read when its first block of the round runs.
+            feeds = {
+                j: RoundFeed(
+                    stream,
+                    rounds=rounds,
+                    per_round=m,
+                    device=device,
+                    keep_input=holds_first,
+                    keep_target=holds_last,
+                )
+                for j, stream in enumerate(streams)
+                if j in active  # a stopped job reads no more data
+            }
+            nothing: MicroBatches = [(None, None)] * (m * rounds)
+            per_job = [feeds.get(j, nothing) for j in range(len(jobs))]
             executor.trace = recorder if it in traced else None
             stats = executor.run_iteration(epoch, per_job)
+            for feed in feeds.values():
+                feed.finish()
             epoch += 1
             if recorder is not None and stop == traced.stop:
                 recorder.write(run.trace_file(rank), iterations=(traced.start, stop))
