@@ -354,26 +354,59 @@ def _cmd_train(args: argparse.Namespace) -> int:
             table.add_row(*cells)
         out.print(table)
     if summary.jobs:
-        ranking = Table(title="jobs ranked by validation loss")
-        for col in ("rank", "job", "val loss", "train loss", "stopped"):
-            ranking.add_column(col, justify="left" if col in ("job", "stopped") else "right")
-        for row in summary.jobs:
-            train_loss = "-" if row.get("train_loss") is None else f"{row['train_loss']:.4f}"
-            stop = row.get("stopped")
-            when = "" if stop is None else f"at iteration {stop.get('iteration')}: "
-            ranking.add_row(
-                str(row["rank"]),
-                row["name"],
-                f"{row['val_loss']:.4f}",
-                train_loss,
-                "-" if stop is None else when + str(stop.get("reason")),
-            )
-        out.print(ranking)
+        _print_ranking(out, summary.jobs)
     out.print(
         f"run directory: {summary.run_dir}"
         + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
     )
     return 0
+
+
+def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:
+    """The sweep's jobs ranked by validation loss, every job name in full."""
+    from rich.console import Console
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    ranking = Table(title="jobs ranked by validation loss")
+    for col in ("rank", "job", "val loss", "train loss", "stopped"):
+        left = col in ("job", "stopped")
+        # A terminal folds a long name onto more lines rather than cut it.
+        ranking.add_column(col, justify="left" if left else "right", overflow="fold")
+    for row in jobs:
+        train_loss = "-" if row.get("train_loss") is None else f"{row['train_loss']:.4f}"
+        ranking.add_row(
+            str(row["rank"]),
+            row["name"],
+            f"{row['val_loss']:.4f}",
+            train_loss,
+            _how_stopped(row.get("stopped")),
+        )
+    if not out.is_terminal:  # a log or a pipe: one line per job, as wide as it takes
+        wide = Measurement.get(out, out.options.update_width(10_000), ranking).maximum
+        out = Console(file=out.file, width=max(out.width, wide))
+    out.print(ranking)
+
+
+def _how_stopped(stop: dict[str, Any] | None) -> str:
+    """How and when a job stopped: ``halving @ 40``, ``by hand @ 40`` (and the reason
+    given to ``adaptipe stop --reason``), or ``-`` for a job that trained to the end.
+
+    The iteration is where the stop took effect. Only halving records the rung it was
+    ``decided_at``; its reason ("successive halving at iteration 40") says no more.
+    """
+    if stop is None:
+        return "-"
+    halving = stop.get("decided_at") is not None
+    at = stop.get("iteration")
+    at = stop.get("decided_at") if at is None else at
+    cell = "halving" if halving else "by hand"
+    if at is not None:
+        cell += f" @ {at}"
+    reason = str(stop.get("reason", "user"))
+    if not halving and reason not in ("user", "by hand"):
+        cell += f": {reason}"
+    return cell
 
 
 # --------------------------------------------------------------------------- stop

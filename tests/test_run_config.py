@@ -290,6 +290,10 @@ ERRORS = [
         "[optimizer].nesterov needs momentum > 0 (got momentum = 0.0)",
     ),
     (
+        _set("optimizer", name="sgd", momentum=1.5),
+        "[optimizer].momentum must be in [0, 1) (got 1.5)",
+    ),
+    (
         _set("optimizer", betas=[0.9, 1.0]),
         "[optimizer].betas must be two numbers in [0, 1) (got [0.9, 1.0])",
     ),

@@ -156,3 +156,54 @@ def test_prepare_names_the_japsp_order_of_a_sweep(
     assert main(["prepare", str(config), "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "2 jobs in JAPSP windows of 2 ([sweep].solver 1f1b) over 2 stage(s)" in out
+
+
+def test_the_job_ranking_shows_whole_names_and_how_each_job_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adaptipe.runtime.launch import TrainSummary
+
+    long = "lr=0.001,batch_size=32,weight_decay=0.0001,momentum=0.9,seed=3,data_seed=7"
+    halved = {"reason": "successive halving at iteration 40", "decided_at": 40, "iteration": 40}
+    jobs = [
+        {"rank": 1, "job": 0, "name": long, "val_loss": 0.5, "train_loss": 0.4},
+        {"rank": 2, "job": 1, "name": "b", "val_loss": 0.6, "train_loss": 0.5, "stopped": halved},
+        {
+            "rank": 3,
+            "job": 2,
+            "name": "c",
+            "val_loss": 0.7,
+            "train_loss": 0.6,
+            "stopped": {"reason": "user", "decided_at": None, "iteration": 12},
+        },
+        {
+            "rank": 4,
+            "job": 3,
+            "name": "d",
+            "val_loss": 0.8,
+            "train_loss": None,
+            "stopped": {"reason": "looks bad", "decided_at": None, "iteration": 7},
+        },
+    ]
+    summary = TrainSummary(
+        run_dir="r",
+        iterations=80,
+        start_iteration=0,
+        final_loss=0.4,
+        samples_per_s=1.0,
+        wall_s=1.0,
+        jobs=jobs,
+    )
+    monkeypatch.setattr("adaptipe.runtime.train", lambda *a, **kw: summary)
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")  # a log file: rich would cut names at 80 columns
+    config = tmp_path / "tiny.toml"
+    config.write_text(TINY)
+    assert main(["train", str(config), "--no-progress"]) == 0
+    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    assert long in rows["1"]  # on one line, in full
+    assert "│ -" in rows["1"]  # trained to the end
+    assert "halving @ 40 " in rows["2"] and "successive halving" not in rows["2"]
+    assert "by hand @ 12 " in rows["3"]
+    assert "by hand @ 7: looks bad" in rows["4"]

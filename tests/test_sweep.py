@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.machinery
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -173,6 +175,49 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
         ({"grid": {"seed": [-1]}}, {}, "seed must be >= 0"),
         ({"grid": {"betas": [[0.9, 0.99]]}}, {}, "[sweep.grid].betas is not a field"),
         (
+            {"jobs": [{"name": "a"}, {"name": "b", "betas": [0.8, 0.9]}]},
+            {},
+            "[[sweep.jobs]][1].betas is only for adam, adamw (got [0.8, 0.9] with optimizer = 'sgd')",
+        ),
+        ({"jobs": [{"eps": 1e-6}]}, {}, "[[sweep.jobs]][0].eps is only for adam, adamw (got 1e-06"),
+        (
+            {"jobs": [{"optimizer": "adamw", "nesterov": True}]},
+            {},
+            "[[sweep.jobs]][0].nesterov is only for sgd (got True with optimizer = 'adamw')",
+        ),
+        (
+            {"grid": {"optimizer": ["sgd", "adam"], "momentum": [0.5]}},
+            {},
+            "[sweep.grid] (optimizer=adam,momentum=0.5).momentum is only for sgd "
+            "(got 0.5 with optimizer = 'adam')",
+        ),
+        (
+            {"jobs": [{"momentum": 1.5}]},
+            {},
+            "[[sweep.jobs]][0].momentum must be in [0, 1) (got 1.5)",
+        ),
+        (
+            {"grid": {"momentum": [0.5, 1.0]}},
+            {},
+            "[sweep.grid] (momentum=1.0).momentum must be in [0, 1) (got 1.0)",
+        ),
+        (
+            {"jobs": [{"optimizer": "adam", "betas": [0.9, 1.5]}]},
+            {},
+            "[[sweep.jobs]][0].betas must be two numbers in [0, 1) (got [0.9, 1.5])",
+        ),
+        (
+            {"grid": {"weight_decay": [-0.1]}},
+            {},
+            "[sweep.grid] (weight_decay=-0.1).weight_decay must be a number >= 0.0 (got -0.1)",
+        ),
+        (
+            {"grid": {"lr": [0.1, 0.2]}, "halving_every": 3},
+            {},
+            "[sweep].halving_every must be 0 (off) or less than [train].iterations = 3, "
+            "or no halving rung is ever reached (got 3)",
+        ),
+        (
             {"jobs": [{"lr": 0.1, "dropout": 0.1}]},
             {},
             "(allowed: name, lr, batch_size, weight_decay, momentum, optimizer, seed, data_seed, "
@@ -187,3 +232,54 @@ def test_bad_sweeps_name_the_field(
         _config(sweep, **over)
     assert "sweep.toml" in str(err.value)
     assert message in str(err.value)
+
+
+def test_a_field_the_jobs_optimizer_ignores_passes_only_as_the_value_it_has_anyway() -> None:
+    # config.json lists every optimizer field for every job (betas on sgd jobs too), and
+    # a run directory must load again; a value the job would not have is refused above.
+    cfg = _config(
+        {
+            "jobs": [
+                {"name": "a", "betas": [0.9, 0.999], "eps": 1e-8},
+                {"name": "b", "optimizer": "adam", "momentum": 0.0, "nesterov": False},
+            ]
+        }
+    )
+    assert [j.optimizer.name for j in cfg.jobs] == ["sgd", "adam"]
+    again = RunConfig.from_dict(cfg.to_dict(), source="sweep.toml")
+    assert again.jobs == cfg.jobs
+
+
+def test_halving_every_is_checked_against_iterations_only_when_the_config_gives_them() -> None:
+    sweep = {"grid": {"lr": [0.1, 0.2]}, "halving_every": 2}
+    cfg = _config(sweep)  # 3 iterations: a rung before iteration 2
+    assert cfg.sweep is not None and cfg.sweep.halving_every == 2
+    # By epochs the count depends on the dataset; the run itself finds out.
+    long = {**sweep, "halving_every": 1000}
+    cfg = _config(long, train={"iterations": None, "epochs": 1})
+    assert cfg.sweep is not None and cfg.sweep.halving_every == 1000
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_the_cpsat_solver_needs_ortools_installed(
+    monkeypatch: pytest.MonkeyPatch, installed: bool
+) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> Any:
+        if name == "ortools":
+            return importlib.machinery.ModuleSpec(name, None) if installed else None
+        return real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    sweep = {"grid": {"lr": [0.1, 0.2]}, "solver": "cpsat"}
+    if installed:
+        cfg = _config(sweep)
+        assert cfg.sweep is not None and cfg.sweep.solver == "cpsat"
+        return
+    with pytest.raises(PlanError) as err:
+        _config(sweep)
+    assert str(err.value) == (
+        "sweep.toml: [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
+        "(pip install 'adaptipe[cpsat]'; or use another solver: auto, bb, ga, gpipe, 1f1b, rr)"
+    )

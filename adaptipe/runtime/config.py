@@ -63,7 +63,7 @@ from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
 from adaptipe.models.spec import SPLITS, Split
 from adaptipe.plan.api import PLANNERS
 from adaptipe.plan.partition import Partition
-from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
+from adaptipe.runtime.sweep import OPTIMIZER_FIELDS, JobSpec, SweepSection, parse_sweep
 from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json
 from adaptipe.units import parse_bandwidth
@@ -117,7 +117,7 @@ class DataSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerSection:
-    name: str = field(metadata=_rule(choices=("sgd", "adam", "adamw")))
+    name: str = field(metadata=_rule(choices=tuple(OPTIMIZER_FIELDS)))
     lr: float = field(metadata=_rule(positive=True))
     momentum: float = field(default=0.0, metadata=_rule(minimum=0.0))
     weight_decay: float = field(default=0.0, metadata=_rule(minimum=0.0))
@@ -355,6 +355,7 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
             seed=train.seed,
             parse_optimizer=_optimizer,
             data_seed=data_section.seed if "seed" in raw else None,
+            iterations=train.iterations,
         )
     config = RunConfig(
         model=model,
@@ -402,6 +403,8 @@ def _optimizer(raw: Mapping[str, Any], source: str) -> OptimizerSection:
             f"[optimizer].{what}",
             f"is only for sgd (got {getattr(opt, what)!r} with name = {opt.name!r})",
         )
+    if opt.momentum >= 1:
+        raise _fail(source, "[optimizer].momentum", f"must be in [0, 1) (got {opt.momentum})")
     if opt.nesterov and opt.momentum == 0.0:
         raise _fail(source, "[optimizer].nesterov", "needs momentum > 0 (got momentum = 0.0)")
     return opt

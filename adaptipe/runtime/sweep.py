@@ -3,9 +3,10 @@
 ```toml
 [sweep]
 solver = "auto"          # JAPSP solver for the block order: auto, bb, ga, gpipe, 1f1b, rr
+                         # (or cpsat, with OR-Tools: pip install 'adaptipe[cpsat]')
 memory_budget = 0        # job states resident per stage (0 = all of them)
 window = 4               # iterations scheduled as one (their blocks overlap; 1 = off)
-halving_every = 0        # successive halving every N iterations (0 = off)
+halving_every = 0        # successive halving every N iterations (0 = off; < [train].iterations)
 halving_keep = 0.5       # fraction of jobs kept at each halving
 
 [sweep.grid]             # the cartesian product of these lists ...
@@ -20,11 +21,14 @@ optimizer = "adam"
 
 Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed,
 data_seed (and, in ``[[sweep.jobs]]``, nesterov, betas, eps); the rest comes from
-``[optimizer]``, ``[data]`` and ``[train].seed``. A job trains as its config would
-alone with ``[train].seed`` set to the job's seed: ``seed`` initialises the weights,
-and the data order follows ``data_seed``, which defaults to ``[data].seed`` where the
-config sets one and to the job's seed otherwise. Each job's mini-batch is one block of
-the pipeline (ArrayPipe), so ``[data].microbatches`` must be 1 with a sweep.
+``[optimizer]``, ``[data]`` and ``[train].seed``. A job sets only the fields its own
+optimizer uses (`OPTIMIZER_FIELDS`: momentum and nesterov are sgd's, betas and eps
+adam's and adamw's); another optimizer's field is an error unless it holds the value the
+job has anyway. A job trains as its config would alone with ``[train].seed`` set to the
+job's seed: ``seed`` initialises the weights, and the data order follows ``data_seed``,
+which defaults to ``[data].seed`` where the config sets one and to the job's seed
+otherwise. Each job's mini-batch is one block of the pipeline (ArrayPipe), so
+``[data].microbatches`` must be 1 with a sweep.
 
 ``window``: one JAPSP iteration fills and drains the pipeline. A window of W
 iterations is scheduled as one (`adaptipe.japsp.window`): a job's next forward may
@@ -38,6 +42,7 @@ keep one record per iteration; a window's iterations share its time evenly.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -46,7 +51,14 @@ from typing import Any
 from adaptipe.errors import PlanError
 from adaptipe.serial import get_float, get_int, get_list, get_str
 
-__all__ = ["JOB_FIELDS", "SOLVER_NAMES", "JobSpec", "SweepSection", "parse_sweep"]
+__all__ = [
+    "JOB_FIELDS",
+    "OPTIMIZER_FIELDS",
+    "SOLVER_NAMES",
+    "JobSpec",
+    "SweepSection",
+    "parse_sweep",
+]
 
 JOB_FIELDS = (
     "name",
@@ -59,6 +71,13 @@ JOB_FIELDS = (
     "data_seed",
 )
 _JOB_ONLY_FIELDS = ("nesterov", "betas", "eps")  # [[sweep.jobs]] only, not grid axes
+# The optimizers and the fields each reads besides lr and weight_decay
+# (`OptimizerSection.build`); [optimizer].name takes these names.
+OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
+    "sgd": ("momentum", "nesterov"),
+    "adam": ("betas", "eps"),
+    "adamw": ("betas", "eps"),
+}
 SOLVER_NAMES = ("auto", "bb", "ga", "gpipe", "1f1b", "rr", "cpsat")
 _SWEEP_FIELDS = (
     "grid",
@@ -124,11 +143,13 @@ def parse_sweep(
     seed: int,
     parse_optimizer: ParseOptimizer,
     data_seed: int | None = None,
+    iterations: int | None = None,
 ) -> SweepSection:
     """Expand ``[sweep]`` into jobs; every error names the field and what is allowed.
 
     ``seed`` is ``[train].seed``; ``data_seed`` is ``[data].seed`` where the config sets
-    it (None otherwise: each job's data order then follows its own seed).
+    it (None otherwise: each job's data order then follows its own seed). ``iterations``
+    is ``[train].iterations`` (None when the run is counted in epochs).
     """
     if not isinstance(raw, Mapping):
         raise PlanError(f"{source}: [sweep] must be a table")
@@ -160,12 +181,26 @@ def parse_sweep(
     limit = get_float(raw, "time_limit_s", default=1.0, **kw)
     if limit <= 0:
         raise PlanError(f"{source}: [sweep].time_limit_s must be > 0 (got {limit})")
+    every = get_int(raw, "halving_every", minimum=0, default=0, **kw)
+    if every and iterations is not None and every >= iterations:
+        # A rung is the boundary before iteration k * every, inside the run (`is_rung`).
+        raise PlanError(
+            f"{source}: [sweep].halving_every must be 0 (off) or less than [train].iterations "
+            f"= {iterations}, or no halving rung is ever reached (got {every})"
+        )
+    solver = get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw)
+    if solver == "cpsat" and importlib.util.find_spec("ortools") is None:
+        raise PlanError(
+            f"{source}: [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
+            "(pip install 'adaptipe[cpsat]'; or use another solver: "
+            f"{', '.join(s for s in SOLVER_NAMES if s != 'cpsat')})"
+        )
     return SweepSection(
         jobs=tuple(jobs),
-        solver=get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw),
+        solver=solver,
         memory_budget=get_int(raw, "memory_budget", minimum=0, default=0, **kw),
         window=get_int(raw, "window", minimum=1, default=4, **kw),
-        halving_every=get_int(raw, "halving_every", minimum=0, default=0, **kw),
+        halving_every=every,
         halving_keep=keep,
         time_limit_s=limit,
     )
@@ -231,6 +266,7 @@ def _job(
         opt["name"] = entry["optimizer"]
         if opt["name"] != "sgd":  # momentum belongs to sgd; a job switching away drops it
             opt["momentum"], opt["nesterov"] = 0.0, False
+    _check_used(entry, where, source, opt)
     for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps"):
         if key in entry:
             opt[key] = entry[key]
@@ -258,3 +294,23 @@ def _job(
             **kw,
         ),
     )
+
+
+def _check_used(
+    entry: Mapping[str, Any], where: str, source: str, inherited: dict[str, Any]
+) -> None:
+    """A job's optimizer field that its optimizer ignores is an error, unless it is the
+    value the job gets anyway (`JobSpec.to_dict` writes every field, so a run's
+    config.json lists betas and eps for sgd jobs too)."""
+    name = inherited["name"]
+    if not isinstance(name, str) or name not in OPTIMIZER_FIELDS:
+        return  # parse_optimizer names the bad name
+    for key in sorted(
+        {f for fs in OPTIMIZER_FIELDS.values() for f in fs} - set(OPTIMIZER_FIELDS[name])
+    ):
+        if key in entry and entry[key] != inherited[key]:
+            users = ", ".join(n for n, fs in OPTIMIZER_FIELDS.items() if key in fs)
+            raise PlanError(
+                f"{source}: {where}.{key} is only for {users} "
+                f"(got {entry[key]!r} with optimizer = {name!r})"
+            )
