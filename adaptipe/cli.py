@@ -516,12 +516,14 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     run, config = prepare(args.config, run_dir=args.run_dir)
     partition = run.read_partition()
     # A job-array's block order comes from its JAPSP solver, not [pipeline].schedule.
-    schedule = (
-        f"{len(config.jobs)} jobs in JAPSP windows of {config.sweep.window} "
-        f"([sweep].solver {config.sweep.solver})"
-        if config.sweep is not None
-        else config.pipeline.schedule
-    )
+    schedule = config.pipeline.schedule
+    if config.sweep is not None:
+        sweep = config.sweep
+        length = sweep.rounds(len(config.jobs), config.pipeline.stages)
+        schedule = (
+            f"{len(config.jobs)} jobs in JAPSP windows of {length} iteration(s)"
+            f"{' (auto)' if sweep.window == 'auto' else ''} ([sweep].solver {sweep.solver})"
+        )
     print(
         f"wrote the plans of {args.config} to {run.root}: {schedule} over "
         f"{config.pipeline.stages} stage(s), partition bounds {list(partition.bounds)}"

@@ -5,12 +5,12 @@ ScheduleGPipe, at their best micro-batch count among 2, 4, 8) over 2 stage proce
 sequential training of J identical-size jobs runs at one job's throughput. adaptipe:
 the J jobs as one job-array through one 2-stage pipeline (each job's mini-batch one
 block, block order from the JAPSP solver, ``--windows`` iterations scheduled as one
-window). Limit: one single-thread process times 2. Each contender is paired with a
+window, "auto" by default). Limit: one single-thread process times 2. Each contender is paired with a
 single-process run just before it; with ``--repeats`` above 1, each round also runs
 the best peer again and ``over_peer_same_round`` is the median of the array's samples/s
 over that round's peer's. Prints one JSON object.
 
-    python bench/bench_jobarray.py [--jobs 4,8] [--iterations 12] [--windows 1,4]
+    python bench/bench_jobarray.py [--jobs 4,8] [--iterations 12] [--windows 1,4,auto]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from _peer import mlp_model, run_concurrent_singles, run_peer, run_single
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.sweep import auto_window
 
 
 def run_array(
@@ -42,9 +43,10 @@ def run_array(
     iterations: int,
     warmup: int,
     solver: str,
-    window: int,
+    window: int | str,
 ) -> dict[str, Any]:
-    warmup = -(-warmup // window) * window  # whole windows: the first holds start-up costs
+    length = auto_window(jobs, 2) if window == "auto" else int(window)
+    warmup = -(-warmup // length) * length  # whole windows: the first holds start-up costs
     lrs = [1e-3 * (1 + j) for j in range(jobs)]
     with tempfile.TemporaryDirectory(prefix="adaptipe-jobarray-") as tmp:
         config = RunConfig.from_dict(
@@ -80,6 +82,10 @@ def run_array(
     }
 
 
+def _window(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
 def _paired(run: Any, common: dict[str, Any]) -> dict[str, float]:
     """A contender's samples/s next to a single-thread process run just before it."""
     single = run_single(threads=1, **common)["samples_per_s"]
@@ -94,7 +100,9 @@ def main() -> None:
     parser.add_argument("--jobs", default="4,8")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument(
-        "--windows", default="4", help="[sweep] window values to run (e.g. 1,4: without and with)"
+        "--windows",
+        default="auto",
+        help='[sweep] window values to run (e.g. 1,4,auto: without, 4 iterations, "auto")',
     )
     parser.add_argument(
         "--repeats",
@@ -123,7 +131,7 @@ def main() -> None:
             "samples_per_s"
         ]
 
-    def array(jobs: int, window: int) -> Any:
+    def array(jobs: int, window: int | str) -> Any:
         def go() -> float:
             got = run_array(jobs=jobs, solver=args.solver, window=window, **common)
             extra[(jobs, window)].append(got)
@@ -140,14 +148,14 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr)
     best = max(peer_rows, key=lambda r: r["x_single"])
     # 2. Paired rounds: the best peer again, every array, the two-process ceiling.
-    arrays = [(int(j), int(w)) for j in args.jobs.split(",") for w in args.windows.split(",")]
-    extra: dict[tuple[int, int], list[dict[str, Any]]] = {key: [] for key in arrays}
+    arrays = [(int(j), _window(w)) for j in args.jobs.split(",") for w in args.windows.split(",")]
+    extra: dict[tuple[int, int | str], list[dict[str, Any]]] = {key: [] for key in arrays}
     peer_x = [best["x_single"]] if args.repeats == 1 else []
-    array_x: dict[tuple[int, int], list[float]] = {key: [] for key in arrays}
+    array_x: dict[tuple[int, int | str], list[float]] = {key: [] for key in arrays}
     ceiling_x: list[float] = []
     # Each round's array samples/s over the same round's peer samples/s: a direct ratio
     # of two runs minutes apart, free of the single-process references' noise.
-    direct: dict[tuple[int, int], list[float]] = {key: [] for key in arrays}
+    direct: dict[tuple[int, int | str], list[float]] = {key: [] for key in arrays}
     for rnd in range(args.repeats):
         peer_sps = None
         if args.repeats > 1:

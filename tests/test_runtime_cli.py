@@ -155,7 +155,10 @@ def test_prepare_names_the_japsp_order_of_a_sweep(
     )
     assert main(["prepare", str(config), "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    assert "2 jobs in JAPSP windows of 2 ([sweep].solver 1f1b) over 2 stage(s)" in out
+    assert "2 jobs in JAPSP windows of 2 iteration(s) ([sweep].solver 1f1b) over 2 stage(s)" in out
+    config.write_text(config.read_text().replace("window = 2\n", ""))
+    assert main(["prepare", str(config), "--run-dir", str(tmp_path / "auto")]) == 0
+    assert "windows of 25 iteration(s) (auto) ([sweep].solver 1f1b)" in capsys.readouterr().out
 
 
 def test_the_job_ranking_shows_whole_names_and_how_each_job_stopped(

@@ -7,9 +7,10 @@ chosen in ``[sweep].solver`` orders the blocks; the order compiles to the one sc
 form that the simulator and the workers execute.
 
 The run's schedule is the solver's order for one iteration. Workers unroll it into
-windows of ``[sweep].window`` iterations (`window_for`), all alike, each time with the
-round order (the solver's or a baseline's) that makes that window shortest within the
-memory budget.
+windows of ``[sweep].window`` iterations (`window_for`; ``"auto"`` picks the length from
+the jobs still running, `adaptipe.runtime.sweep.auto_window`), all alike, each time with
+the round order (the solver's or a baseline's) that makes that window shortest within
+the memory budget.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
     solution = result.to_json()
     schedule = to_schedule(instance, result.orders)
     meta: dict[str, Any] = {"makespan": result.makespan, "solver": result.solver}
-    rounds, budget = config.sweep.window, config.sweep.memory_budget
+    rounds = config.sweep.rounds(instance.num_jobs, instance.num_stages)
+    budget = config.sweep.memory_budget
     orders, window = best_window(instance, result.orders, rounds, budget=budget)
     if rounds > 1 or orders != result.orders:
         meta.update(window=rounds, window_makespan=window.makespan)

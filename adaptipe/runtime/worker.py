@@ -285,15 +285,18 @@ def _train(
     state.memory = _memory_manager(config, state, schedule, instance, rank, device)
     telemetry = _telemetry_address(config)
     # Job-arrays run windows of several iterations (`adaptipe.japsp.window`): round r of
-    # a job is its micro-batch r of the window's schedule.
-    window = config.sweep.window if config.sweep is not None else 1
+    # a job is its micro-batch r of the window's schedule. "auto" windows grow as jobs
+    # stop; the transport numbers transfers for the longest.
+    stages = schedule.num_stages
+    window = config.sweep.rounds(len(jobs), stages) if config.sweep is not None else 1
+    longest = config.sweep.rounds(1, stages) if config.sweep is not None else 1
     wire = wire_device(device, _backend(config, device))
     transport = P2PTransport(
         rank=rank,
         device=device,
         wire=wire,
         num_boundaries=schedule.num_virtual_stages,
-        num_microbatches=m * window,
+        num_microbatches=m * longest,
         num_jobs=schedule.num_jobs,
         measure_links=telemetry is not None and config.train.link_telemetry,
     )
@@ -389,6 +392,8 @@ def _train(
                         "jobs": list(switched.jobs),
                     },
                 )
+            if config.sweep is not None:
+                window = config.sweep.rounds(len(active), stages)
             stop = _window_end(config, it, total, window, edges)
             rounds = stop - it
             if windows is not None:
