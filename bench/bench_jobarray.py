@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _peer import mlp_model, run_concurrent_singles, run_peer, run_single
 
+from adaptipe.japsp.window import auto_window
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.sweep import auto_window
 
 
 def run_array(

@@ -376,6 +376,8 @@ def test_command_prints_json_and_a_summary(
     assert _run(["japsp", str(file), "--window", "3", "--memory-budget", "1"]) == 0
     text = capsys.readouterr().out  # one job in flight: no overlap, and the budget costs
     assert "more than one iteration at a time with no budget), rule serial (rounds one" in text
+    assert _run(["japsp", str(file), "--window", "auto"]) == 0  # [sweep]'s: 3 jobs, 2 stages
+    assert "window of 17: makespan" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -383,7 +385,7 @@ def test_command_prints_json_and_a_summary(
     [
         (["--window", "0"], "--window must be >= 1 (got 0)"),
         (["--memory-budget", "-1", "--window", "2"], "--memory-budget must be >= 0 (got -1)"),
-        (["--window", "two"], "--window must be an integer (got 'two')"),
+        (["--window", "two"], "--window must be \"auto\" or an integer (got 'two')"),
     ],
 )
 def test_command_refuses_bad_flags_before_solving(

@@ -17,7 +17,13 @@ from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, solve
 from adaptipe.japsp.baselines import one_f_one_b_orders
 from adaptipe.japsp.evaluate import OpTable
-from adaptipe.japsp.window import best_window, unroll, window_schedule
+from adaptipe.japsp.window import (
+    AUTO_WINDOW_MAX,
+    auto_window,
+    best_window,
+    unroll,
+    window_schedule,
+)
 from adaptipe.runtime.memory import block_order, minimum_budget
 from adaptipe.schedule.types import Forward, OptimizerStep
 from adaptipe.schedule.validate import validate
@@ -189,3 +195,32 @@ def test_one_job_in_flight_runs_jobs_one_after_another_on_three_stages() -> None
     orders, _ = best_window(inst, one_f_one_b_orders(inst).orders, 2, budget=1)
     for stage in orders:
         assert [f"{k}{j}" for k, j in stage] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("jobs", [1, 2, 3, 4, 5, 8, 13, 16, 64])
+def test_auto_window_is_the_fewest_iterations_with_a_boundary_share_of_2_percent(
+    jobs: int, stages: int
+) -> None:
+    length = auto_window(jobs, stages)
+    share = (stages - 1) / (length * jobs)  # one block of S - 1 stages per window boundary
+    assert 1 <= length <= AUTO_WINDOW_MAX
+    assert share <= 0.02 or length == AUTO_WINDOW_MAX
+    assert length == 1 or (stages - 1) / ((length - 1) * jobs) > 0.02  # the fewest
+
+
+@pytest.mark.parametrize(
+    ("jobs", "stages"), [(2, 2), (4, 2), (8, 2), (3, 3), (8, 3), (4, 4), (12, 4)]
+)
+def test_an_auto_window_keeps_the_japsp_model_within_2_percent_of_the_bound(
+    jobs: int, stages: int
+) -> None:
+    # Equal jobs whose pipeline can stay full (J >= S): the busiest stage's load per
+    # iteration is the bound; the fill and drain of each window is all that remains.
+    inst = JapspInstance.build([[1.0] * stages] * jobs, [[2.0] * stages] * jobs)
+    length = auto_window(jobs, stages)
+    _, window = best_window(inst, one_f_one_b_orders(inst).orders, length)
+    per_iteration = window.makespan / length
+    assert per_iteration <= 3.0 * jobs * (1.025 if length == AUTO_WINDOW_MAX else 1.02)
+    _, shorter = best_window(inst, one_f_one_b_orders(inst).orders, max(1, length // 2))
+    assert shorter.makespan / max(1, length // 2) > per_iteration  # length pays off

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from adaptipe.errors import PlanError
+from adaptipe.japsp.window import auto_window
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.sweep import AUTO_WINDOW_MAX, auto_window
 
 BASE: dict[str, Any] = {
     "model": {
@@ -293,39 +293,6 @@ def test_the_cpsat_solver_needs_ortools_installed(
         "sweep.toml: [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
         "(pip install 'adaptipe[cpsat]'; or use another solver: auto, bb, ga, gpipe, 1f1b, rr)"
     )
-
-
-@pytest.mark.parametrize("stages", [2, 3, 4])
-@pytest.mark.parametrize("jobs", [1, 2, 3, 4, 5, 8, 13, 16, 64])
-def test_auto_window_is_the_fewest_iterations_with_a_boundary_share_of_2_percent(
-    jobs: int, stages: int
-) -> None:
-    length = auto_window(jobs, stages)
-    share = (stages - 1) / (length * jobs)  # one block of S - 1 stages per window boundary
-    assert 1 <= length <= AUTO_WINDOW_MAX
-    assert share <= 0.02 or length == AUTO_WINDOW_MAX
-    assert length == 1 or (stages - 1) / ((length - 1) * jobs) > 0.02  # the fewest
-
-
-@pytest.mark.parametrize(
-    ("jobs", "stages"), [(2, 2), (4, 2), (8, 2), (3, 3), (8, 3), (4, 4), (12, 4)]
-)
-def test_an_auto_window_keeps_the_japsp_model_within_2_percent_of_the_bound(
-    jobs: int, stages: int
-) -> None:
-    # Equal jobs whose pipeline can stay full (J >= S): the busiest stage's load per
-    # iteration is the bound; the fill and drain of each window is all that remains.
-    from adaptipe.japsp.baselines import one_f_one_b_orders
-    from adaptipe.japsp.instance import JapspInstance
-    from adaptipe.japsp.window import best_window
-
-    inst = JapspInstance.build([[1.0] * stages] * jobs, [[2.0] * stages] * jobs)
-    length = auto_window(jobs, stages)
-    _, window = best_window(inst, one_f_one_b_orders(inst).orders, length)
-    per_iteration = window.makespan / length
-    assert per_iteration <= 3.0 * jobs * (1.025 if length == AUTO_WINDOW_MAX else 1.02)
-    _, shorter = best_window(inst, one_f_one_b_orders(inst).orders, max(1, length // 2))
-    assert shorter.makespan / max(1, length // 2) > per_iteration  # length pays off
 
 
 def test_sweep_window_is_auto_unless_set_and_follows_the_running_jobs() -> None:

@@ -160,11 +160,12 @@ def add_japsp_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--window",
-        type=_at_least(1, "--window"),
+        type=_window_arg,
         default=1,
         metavar="R",
-        help="also plan a window of R iterations whose blocks overlap ([sweep] window): "
-        "the round order it picks, its makespan and the time per iteration",
+        help="also plan a window of R iterations whose blocks overlap ([sweep] window; "
+        '"auto": its default for these jobs and stages): the round order it picks, its '
+        "makespan and the time per iteration",
     )
     p.add_argument(
         "--memory-budget",
@@ -191,6 +192,20 @@ def _at_least(least: int, flag: str) -> Any:
     return parse
 
 
+def _window_arg(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f'--window must be "auto" or an integer (got {text!r})'
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--window must be >= 1 (got {value})")
+    return value
+
+
 def run_japsp_command(args: argparse.Namespace) -> int:
     """Load the instance, solve, print; returns the exit status."""
     from adaptipe.serial import load_json_file
@@ -199,6 +214,10 @@ def run_japsp_command(args: argparse.Namespace) -> int:
         raise PlanError("--memory-budget caps the jobs in flight of a window: give --window R")
 
     inst = load_json_file(args.instance, JapspInstance.from_json)
+    if args.window == "auto":
+        from adaptipe.japsp.window import auto_window
+
+        args.window = auto_window(inst.num_jobs, inst.num_stages)
     result = solve(
         inst,
         solver=args.solver,
@@ -207,7 +226,7 @@ def run_japsp_command(args: argparse.Namespace) -> int:
         auto_threshold=args.auto_threshold,
     )
     window = None
-    if args.window != 1:
+    if args.window != 1 or args.memory_budget:
         from adaptipe.japsp.window import best_window
 
         round_orders, window = best_window(

@@ -8,7 +8,7 @@ form that the simulator and the workers execute.
 
 The run's schedule is the solver's order for one iteration. Workers unroll it into
 windows of ``[sweep].window`` iterations (`window_for`; ``"auto"`` picks the length from
-the jobs still running, `adaptipe.runtime.sweep.auto_window`), all alike, each time with
+the jobs still running, `adaptipe.japsp.window.auto_window`), all alike, each time with
 the round order (the solver's or a baseline's) that makes that window shortest within
 the memory budget.
 """

@@ -36,7 +36,7 @@ start on a stage as soon as its own previous backward and update there are done,
 the fill and drain are paid once per window instead of once per iteration, and every
 job still trains exactly as alone. Each window boundary costs about one block on S - 1
 of the S stages, a share (S - 1) / (W x J) of a window of J jobs; ``"auto"`` (the
-default, `auto_window`) takes the fewest iterations that keep it at 2% or less, at most
+default, `adaptipe.japsp.window.auto_window`) takes the fewest iterations that keep it at 2% or less, at most
 32, from the jobs still running. Checkpoints, halving rungs and the traced iterations
 end a window early; a stop request takes effect at the next window boundary (at most W
 iterations later), and so does injected interference. Metrics and telemetry keep one
@@ -52,16 +52,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from adaptipe.errors import PlanError
+from adaptipe.japsp.window import auto_window
 from adaptipe.serial import get_float, get_int, get_list, get_str
 
 __all__ = [
-    "AUTO_WINDOW_MAX",
     "JOB_FIELDS",
     "OPTIMIZER_FIELDS",
     "SOLVER_NAMES",
     "JobSpec",
     "SweepSection",
-    "auto_window",
     "parse_sweep",
 ]
 
@@ -83,22 +82,6 @@ OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
     "adam": ("betas", "eps"),
     "adamw": ("betas", "eps"),
 }
-AUTO_WINDOW_MAX = 32
-"""The longest window ``window = "auto"`` picks (a stop waits at most this long)."""
-
-
-def auto_window(jobs: int, stages: int) -> int:
-    """Iterations per window for ``window = "auto"``: the fewest for which a boundary's
-    fill and drain, about (S - 1) / (W x J) of the window, is at most 2%; 1 to 32.
-
-    The JAPSP window model agrees on 4 equal jobs over 2 stages, with block times
-    measured in a run: 6% over the busiest stage's load at W = 4, 1.5% at 16.
-    """
-    if jobs < 1 or stages < 1:
-        raise ValueError(f"auto_window: needs jobs >= 1 and stages >= 1 (got {jobs}, {stages})")
-    return max(1, min(AUTO_WINDOW_MAX, -(-50 * (stages - 1) // jobs)))
-
-
 SOLVER_NAMES = ("auto", "bb", "ga", "gpipe", "1f1b", "rr", "cpsat")
 _SWEEP_FIELDS = (
     "grid",
