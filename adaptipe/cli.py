@@ -380,7 +380,9 @@ def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:
             row["name"],
             f"{row['val_loss']:.4f}",
             train_loss,
-            _how_stopped(row.get("stopped")),
+            "- (stop came in the last window)"
+            if "stop_unadopted" in row
+            else _how_stopped(row.get("stopped")),
         )
     if not out.is_terminal:  # a log or a pipe: one line per job, as wide as it takes
         wide = Measurement.get(out, out.options.update_width(10_000), ranking).maximum

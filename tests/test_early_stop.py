@@ -7,6 +7,7 @@ job ends as if trained alone for the iterations it ran.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import socket
@@ -409,6 +410,33 @@ def test_a_user_stop_mid_run_leaves_the_siblings_exact(
     ]
     assert metrics[-1]["samples"] == 3 * 16
     assert [e["event"] for e in _control_events(summary.run_dir)] == ["stop"]
+
+
+def test_a_stop_that_comes_in_the_last_window_is_reported_as_not_adopted(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    from rich.console import Console
+
+    from adaptipe.cli import _print_ranking
+
+    cfg = _array(make_config, 6)  # one window: the stop can only come after it started
+
+    def on_iteration(rec: dict[str, Any], total: int) -> None:
+        if rec["iteration"] == 0:
+            stop_jobs(cfg.train.run_dir, ["lr=0.1"], reason="by hand")
+
+    summary = train(cfg, on_iteration=on_iteration)
+    rows = {row["job"]: row for row in summary.jobs}
+    assert "stopped" not in rows[1] and "trained to the end" in rows[1]["stop_unadopted"]["why"]
+    assert all("stop_unadopted" not in rows[j] for j in (0, 2, 3))
+    _assert_alone(cfg, summary.run_dir, cfg.jobs[1], 6)  # it did train all six
+    events = _control_events(summary.run_dir)
+    assert [e["event"] for e in events] == ["stop", "stop_unadopted"]
+    assert events[1]["jobs"] == [1]
+    text = io.StringIO()
+    _print_ranking(Console(file=text, width=120), summary.jobs)
+    line = next(x for x in text.getvalue().splitlines() if "lr=0.1" in x)
+    assert "- (stop came in the last window)" in line
 
 
 def test_a_run_resumed_after_a_stop_and_a_crash_ends_as_uninterrupted(

@@ -62,6 +62,7 @@ __all__ = [
     "read_active",
     "remap_jobs",
     "stop_jobs",
+    "unadopted_stops",
 ]
 
 ACTIVE_KIND = "active_set"
@@ -158,6 +159,19 @@ def adoptions(run: RunDir) -> dict[int, int]:
         except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{path}: not an adoption record ({exc})") from None
     return out
+
+
+def unadopted_stops(run: RunDir, config: RunConfig | None = None) -> dict[int, dict[str, Any]]:
+    """Stops committed after the workers' last switch, ``{job: why}``: the run ended
+    before the next window boundary, so those jobs trained to the end."""
+    adopted = adoptions(run)
+    last = max(adopted, default=0)
+    newest = current_version(run)
+    if newest <= last:
+        return {}
+    before = read_active(run, last, config).stopped if last else {}
+    after = read_active(run, newest, config).stopped
+    return {j: info for j, info in after.items() if j not in before}
 
 
 def mark_manager(run: RunDir, *, running: bool) -> None:

@@ -35,7 +35,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.profile.children import free_port
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig, load_config
-from adaptipe.runtime.control import JobController, mark_manager
+from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 from adaptipe.schedule.build import build_schedule
@@ -521,6 +521,14 @@ def _run(
                             on_iteration(rec, total)
                     break
                 time.sleep(poll_s)
+            if controller is not None:
+                for event in controller.poll():  # requests that came with the last records
+                    control_log.write(json.dumps(event) + "\n")
+                # A stop that came in the last window changed nothing: say so.
+                late = unadopted_stops(run, cfg)
+                if late:
+                    event = {"event": "stop_unadopted", "jobs": sorted(late), "why": _LATE}
+                    control_log.write(json.dumps(event) + "\n")
     finally:
         if interference is not None:
             interference.stop()
@@ -537,6 +545,9 @@ def _run(
     return summary
 
 
+_LATE = "the run ended before the next window boundary: trained to the end"
+
+
 def _controller(run: RunDir, cfg: RunConfig, total: int) -> JobController | None:
     """The early-termination controller of a job-array run (None for one job)."""
     if cfg.sweep is None:
@@ -551,7 +562,7 @@ def _rank_jobs(run: RunDir) -> list[dict[str, Any]]:
 
     Read from the whole run (every launch of a resumed run): the metrics log and the
     workers' recorded switches. A stop committed but never adopted (it came in the last
-    window) did not stop anything.
+    window) did not stop anything: such a job's row says so under ``stop_unadopted``.
     """
     from adaptipe.runtime.control import adoptions, read_active
     from adaptipe.runtime.export import evaluate_jobs
@@ -568,12 +579,15 @@ def _rank_jobs(run: RunDir) -> list[dict[str, Any]]:
         for job in stopped:
             if job not in jobs:
                 took_effect.setdefault(job, iteration)
+    late = unadopted_stops(run)
     rows = evaluate_jobs(run.root)
     for row in rows:
         row["train_loss"] = last.get(str(row["job"]))
         info = stopped.get(int(row["job"]))
         if info is not None:
             row["stopped"] = {**info, "iteration": took_effect.get(int(row["job"]))}
+        elif int(row["job"]) in late:
+            row["stop_unadopted"] = {**late[int(row["job"])], "why": _LATE}
     return rows
 
 
