@@ -142,3 +142,23 @@ def test_nvml_sees_the_gpu_injector_load_the_gpu() -> None:
         hog.stop()
     assert loaded >= 50, loaded
     assert sample_device(0).source == "nvml"
+
+
+def test_a_round_feed_copies_each_round_to_the_gpu_without_waiting() -> None:
+    from itertools import islice
+
+    from adaptipe.runtime.data import BatchStream, RoundFeed, split_microbatches
+
+    dataset = get_model("mlp").dataset()
+    want = [
+        split_microbatches(x, y, 2)
+        for x, y in islice(BatchStream(dataset, batch_size=16, seed=1), 3)
+    ]
+    feed = RoundFeed(
+        BatchStream(dataset, batch_size=16, seed=1), rounds=3, per_round=2, device="cuda"
+    )
+    for index in range(6):
+        x, y = feed[index]
+        assert x is not None and y is not None and x.is_cuda and y.is_cuda
+        r, i = divmod(index, 2)
+        assert torch.equal(x.cpu(), want[r][i][0]) and torch.equal(y.cpu(), want[r][i][1])

@@ -52,7 +52,8 @@ from adaptipe.schedule.validate import validate
 from adaptipe.serial import load_json_file
 from tests._solo import alone_params
 
-SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.1, 0.2, 0.4]}, "solver": "1f1b"}
+# Windows of 4: a stop asked for mid-run has several boundaries left to take effect at.
+SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.1, 0.2, 0.4]}, "solver": "1f1b", "window": 4}
 
 
 def _array(make_config: Callable[..., RunConfig], iterations: int, **sweep: Any) -> RunConfig:
@@ -472,6 +473,15 @@ def test_a_run_resumed_after_a_stop_and_a_crash_ends_as_uninterrupted(
     _assert_alone(cfg, summary.run_dir, cfg.jobs[1], k)
     for j in (0, 2, 3):
         _assert_alone(cfg, summary.run_dir, cfg.jobs[j], 40)
+
+
+def test_auto_windows_grow_as_halving_stops_jobs(make_config: Callable[..., RunConfig]) -> None:
+    cfg = _array(make_config, 60, window="auto", halving_every=26, halving_keep=0.5)
+    summary = train(cfg)
+    windows = [r["window"] for r in RunDir(summary.run_dir).read_metrics()]
+    # 4 jobs on 2 stages: 13 iterations; 2 after the rung at 26: 25, cut by the rung at
+    # 52; then 1 job: 32, cut by the end of the run.
+    assert windows == [13] * 26 + [25] * 25 + [1] + [8] * 8
 
 
 @pytest.mark.parametrize("budget", [0, 2], ids=["all-resident", "budget-2-of-4"])

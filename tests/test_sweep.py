@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.machinery
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -274,14 +272,7 @@ def test_halving_every_is_checked_against_iterations_only_when_the_config_gives_
 def test_the_cpsat_solver_needs_ortools_installed(
     monkeypatch: pytest.MonkeyPatch, installed: bool
 ) -> None:
-    real = importlib.util.find_spec
-
-    def find_spec(name: str, package: str | None = None) -> Any:
-        if name == "ortools":
-            return importlib.machinery.ModuleSpec(name, None) if installed else None
-        return real(name, package)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr("adaptipe.runtime.sweep.cpsat_available", lambda: installed)
     sweep = {"grid": {"lr": [0.1, 0.2]}, "solver": "cpsat"}
     if installed:
         cfg = _config(sweep)
@@ -303,3 +294,24 @@ def test_sweep_window_is_auto_unless_set_and_follows_the_running_jobs() -> None:
     assert fixed is not None and fixed.rounds(2, 2) == fixed.rounds(1, 4) == 3
     with pytest.raises(ValueError, match="needs jobs >= 1"):
         auto_window(0, 2)
+
+
+def test_a_run_directory_written_before_the_stricter_checks_still_loads(tmp_path: Path) -> None:
+    # Older versions accepted these; their saved config.json must stay readable (stop,
+    # resume, export), while a new TOML with them is refused.
+    data = copy.deepcopy(BASE)
+    data["optimizer"]["momentum"] = 1.0
+    data["sweep"] = {
+        "jobs": [{"name": "a"}, {"name": "b", "betas": [0.8, 0.9]}],
+        "halving_every": 3,
+        "solver": "cpsat",
+    }
+    with pytest.raises(PlanError):
+        RunConfig.from_dict(data, source="new.toml")
+    cfg = RunConfig.from_dict(data, source="config.json", strict=False)
+    assert cfg.sweep is not None and cfg.sweep.halving_every == 3
+    assert cfg.jobs[1].optimizer.betas == (0.8, 0.9)
+    run = RunDir(tmp_path / "old")
+    run.root.mkdir()
+    run.config_json.write_text(json.dumps(data))
+    assert run.read_config().jobs == cfg.jobs

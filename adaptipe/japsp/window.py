@@ -210,15 +210,29 @@ class _Merge:
         """The merged window, or None when this rule stalls under the in-flight limits."""
         tab, seqs, rounds = self.tab, self.seqs, self.rounds
         ptr = [[0] * rounds for _ in seqs]
+        low = [0] * len(seqs)  # per stage, the first round with blocks left
         out: list[list[RoundBlock]] = [[] for _ in seqs]
         remaining = sum(len(seq) for seq in seqs) * rounds
+        stages = len(seqs)
+        # Each stage's next block, kept until a block placed on it or a neighbour (which
+        # its readiness reads) changes it; "fit" bounds read every stage: always redone.
+        choices: list[tuple[float, int, int] | None] = [None] * stages
+        stale = set(range(stages))
         while remaining:
+            for s in range(stages) if self.rule == "fit" else sorted(stale):
+                seq = seqs[s]
+                while low[s] < rounds and ptr[s][low[s]] == len(seq):
+                    low[s] += 1
+                heads = []
+                for r in range(low[s], rounds):
+                    heads.append((r, seq[ptr[s][r]]))
+                    # A round not begun here cannot start before an earlier one has: its
+                    # first block (a forward) waits for its job's previous backward here.
+                    if ptr[s][r] == 0 or self.rule == "serial":
+                        break
+                choices[s] = self._choose(s, heads)
             pick: tuple[float, int, int, int] | None = None  # (start, round, stage, op)
-            for s, seq in enumerate(seqs):
-                heads = [(r, seq[ptr[s][r]]) for r in range(rounds) if ptr[s][r] < len(seq)]
-                if self.rule == "serial":
-                    heads = heads[:1]
-                choice = self._choose(s, heads)
+            for s, choice in enumerate(choices):
                 if choice is not None and (pick is None or (choice[0], choice[1], s) < pick[:3]):
                     pick = (choice[0], choice[1], s, choice[2])
             if pick is None:
@@ -235,6 +249,7 @@ class _Merge:
                 self.open[s].discard(j)
             out[s].append((kind, j, r))
             remaining -= 1
+            stale = {n for n in (s - 1, s, s + 1) if 0 <= n < stages}
         makespan = max((t + tab.dur[o] for (o, _), t in self.start.items()), default=0.0)
         return Window(
             rounds=rounds,

@@ -48,6 +48,7 @@ file, the section and field, the value and what is allowed. A complete example::
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tomllib
@@ -231,10 +232,15 @@ class RunConfig:
         )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> RunConfig:
+    def from_dict(
+        cls, data: Mapping[str, Any], *, source: str = "config", strict: bool = True
+    ) -> RunConfig:
         """Read `to_dict`'s output (or a TOML file's tables); relative paths are taken
-        from the folder of `source`."""
-        return _parse(data, source=source, base=Path(source).parent, stem=Path(source).stem)
+        from the folder of `source`. ``strict=False`` reads a run directory's saved
+        config: checks added after it may have been written are skipped (`parse_sweep`)."""
+        return _parse(
+            data, source=source, base=Path(source).parent, stem=Path(source).stem, strict=strict
+        )
 
     def iterations_total(self, num_samples: int) -> int:
         """Iterations to run; an epoch is ``num_samples // batch_size`` (drop_last)."""
@@ -323,7 +329,9 @@ def _read(cls: type[T], raw: Mapping[str, Any], source: str, name: str, **given:
     return cls(**values)
 
 
-def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> RunConfig:
+def _parse(
+    data: Mapping[str, Any], *, source: str, base: Path, stem: str, strict: bool = True
+) -> RunConfig:
     if not isinstance(data, Mapping):
         raise PlanError(f"{source}: must be a table of sections (got {type(data).__name__})")
     for name in data:
@@ -344,7 +352,8 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
     # The data order follows the run's seed unless [data].seed says otherwise.
     seed = {} if "seed" in raw else {"seed": train.seed}
     data_section = _read(DataSection, raw, source, "data", **seed)
-    optimizer = _optimizer(_table(data, "optimizer", OptimizerSection, source), source)
+    read_optimizer = functools.partial(_optimizer, strict=strict)
+    optimizer = read_optimizer(_table(data, "optimizer", OptimizerSection, source), source)
     sweep = None
     if "sweep" in data:
         sweep = parse_sweep(
@@ -353,9 +362,10 @@ def _parse(data: Mapping[str, Any], *, source: str, base: Path, stem: str) -> Ru
             optimizer=optimizer,
             batch_size=data_section.batch_size,
             seed=train.seed,
-            parse_optimizer=_optimizer,
+            parse_optimizer=read_optimizer,
             data_seed=data_section.seed if "seed" in raw else None,
             iterations=train.iterations,
+            strict=strict,
         )
     config = RunConfig(
         model=model,
@@ -387,7 +397,7 @@ def _model(raw: Mapping[str, Any], source: str) -> tuple[ModelSection, ModelSpec
     return ModelSection(name=name, config=dict(spec.config)), spec
 
 
-def _optimizer(raw: Mapping[str, Any], source: str) -> OptimizerSection:
+def _optimizer(raw: Mapping[str, Any], source: str, *, strict: bool = True) -> OptimizerSection:
     betas = get_list(raw, "betas", source=source, prefix="[optimizer].", default=[0.9, 0.999])
     if len(betas) != 2 or not all(
         isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
@@ -403,7 +413,7 @@ def _optimizer(raw: Mapping[str, Any], source: str) -> OptimizerSection:
             f"[optimizer].{what}",
             f"is only for sgd (got {getattr(opt, what)!r} with name = {opt.name!r})",
         )
-    if opt.momentum >= 1:
+    if strict and opt.momentum >= 1:  # older versions took it: their run directories load
         raise _fail(source, "[optimizer].momentum", f"must be in [0, 1) (got {opt.momentum})")
     if opt.nesterov and opt.momentum == 0.0:
         raise _fail(source, "[optimizer].nesterov", "needs momentum > 0 (got momentum = 0.0)")

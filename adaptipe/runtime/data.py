@@ -156,12 +156,18 @@ class RoundFeed(Sequence[Pair]):
     def _load(self) -> None:
         x, y = next(self._stream)
         keep_input, keep_target = self._keep
-        dev = self._device
         self._held[self._read] = [
-            (xi.to(dev) if keep_input else None, yi.to(dev) if keep_target else None)
+            (self._move(xi) if keep_input else None, self._move(yi) if keep_target else None)
             for xi, yi in split_microbatches(x, y, self._per_round)
         ]
         self._read += 1
+
+    def _move(self, t: Tensor) -> Tensor:
+        if self._device.type != "cuda" or t.device.type != "cpu":
+            return t.to(self._device)
+        # From pageable memory the copy would wait for the GPU to finish its queue; from
+        # pinned memory it is queued behind it (the allocator keeps the buffer until done).
+        return t.pin_memory().to(self._device, non_blocking=True)
 
     @property
     def held_rounds(self) -> int:

@@ -149,7 +149,8 @@ class RunDir:
             # Written before jobs had a data_seed: their data order followed their seed.
             if isinstance(job, dict) and "seed" in job and "data_seed" not in job:
                 job["data_seed"] = job["seed"]
-        return RunConfig.from_dict(data, source=str(self.config_json))
+        # Saved by this or an older version: checked as then (`RunConfig.from_dict`).
+        return RunConfig.from_dict(data, source=str(self.config_json), strict=False)
 
     def read_partition(self) -> Partition:
         return load_json_file(self.partition_json, Partition.from_json)

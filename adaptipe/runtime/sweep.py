@@ -45,13 +45,13 @@ record per iteration; a window's iterations share its time evenly.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from adaptipe.errors import PlanError
+from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.window import auto_window
 from adaptipe.serial import get_float, get_int, get_list, get_str
 
@@ -152,12 +152,16 @@ def parse_sweep(
     parse_optimizer: ParseOptimizer,
     data_seed: int | None = None,
     iterations: int | None = None,
+    strict: bool = True,
 ) -> SweepSection:
     """Expand ``[sweep]`` into jobs; every error names the field and what is allowed.
 
     ``seed`` is ``[train].seed``; ``data_seed`` is ``[data].seed`` where the config sets
     it (None otherwise: each job's data order then follows its own seed). ``iterations``
-    is ``[train].iterations`` (None when the run is counted in epochs).
+    is ``[train].iterations`` (None when the run is counted in epochs). ``strict=False``
+    (a run directory's saved config) skips the checks that older versions did not make
+    (fields the job's optimizer ignores, halving rungs past the end, OR-Tools installed),
+    so run directories they wrote keep loading.
     """
     if not isinstance(raw, Mapping):
         raise PlanError(f"{source}: [sweep] must be a table")
@@ -173,7 +177,18 @@ def parse_sweep(
     jobs: list[JobSpec] = []
     for index, (entry, where) in enumerate(entries):
         jobs.append(
-            _job(index, entry, where, source, base, batch_size, seed, data_seed, parse_optimizer)
+            _job(
+                index,
+                entry,
+                where,
+                source,
+                base,
+                batch_size,
+                seed,
+                data_seed,
+                parse_optimizer,
+                strict=strict,
+            )
         )
     names = [job.name for job in jobs]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -190,14 +205,14 @@ def parse_sweep(
     if limit <= 0:
         raise PlanError(f"{source}: [sweep].time_limit_s must be > 0 (got {limit})")
     every = get_int(raw, "halving_every", minimum=0, default=0, **kw)
-    if every and iterations is not None and every >= iterations:
+    if strict and every and iterations is not None and every >= iterations:
         # A rung is the boundary before iteration k * every, inside the run (`is_rung`).
         raise PlanError(
             f"{source}: [sweep].halving_every must be 0 (off) or less than [train].iterations "
             f"= {iterations}, or no halving rung is ever reached (got {every})"
         )
     solver = get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw)
-    if solver == "cpsat" and importlib.util.find_spec("ortools") is None:
+    if strict and solver == "cpsat" and not cpsat_available():
         raise PlanError(
             f"{source}: [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
             "(pip install 'adaptipe[cpsat]'; or use another solver: "
@@ -278,6 +293,8 @@ def _job(
     seed: int,
     data_seed: int | None,
     parse_optimizer: ParseOptimizer,
+    *,
+    strict: bool,
 ) -> JobSpec:
     opt = dict(base)
     opt["betas"] = list(opt["betas"])
@@ -285,7 +302,8 @@ def _job(
         opt["name"] = entry["optimizer"]
         if opt["name"] != "sgd":  # momentum belongs to sgd; a job switching away drops it
             opt["momentum"], opt["nesterov"] = 0.0, False
-    _check_used(entry, where, source, opt)
+    if strict:
+        _check_used(entry, where, source, opt)
     for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps"):
         if key in entry:
             opt[key] = entry[key]
