@@ -334,7 +334,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         loss += " (mean over the jobs training at the end; each job's below)"
     out.print(
         f"trained iterations {summary.start_iteration}..{done} in {summary.wall_s:.1f} s: "
-        f"final loss {loss}, {summary.samples_per_s:.0f} samples/s (steady state)"
+        f"final loss {loss}, {summary.samples_per_s:.0f} samples/s (steady state)",
+        soft_wrap=not out.is_terminal,  # a log keeps the sentence on one line
     )
     if summary.stages:
         table = Table(title="per-stage time per iteration (mean)")
@@ -352,7 +353,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if states:
                 cells += [f"{st['resident_jobs']:.0f}", f"{st['state_wait_s'] * 1e3:.1f}"]
             table.add_row(*cells)
-        out.print(table)
+        _print_wide(out, table)
     if summary.jobs:
         _print_ranking(out, summary.jobs)
     out.print(
@@ -364,12 +365,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:
     """The sweep's jobs ranked by validation loss, every job name in full."""
-    from rich.console import Console
-    from rich.measure import Measurement
     from rich.table import Table
 
     ranking = Table(title="jobs ranked by validation loss")
-    for col in ("rank", "job", "val loss", "train loss", "stopped"):
+    for col in ("rank", "#", "job", "val loss", "train loss", "stopped"):
         left = col in ("job", "stopped")
         # A terminal folds a long name onto more lines rather than cut it.
         ranking.add_column(col, justify="left" if left else "right", overflow="fold")
@@ -377,6 +376,7 @@ def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:
         train_loss = "-" if row.get("train_loss") is None else f"{row['train_loss']:.4f}"
         ranking.add_row(
             str(row["rank"]),
+            str(row["job"]),  # the index `adaptipe stop` takes, like the name
             row["name"],
             f"{row['val_loss']:.4f}",
             train_loss,
@@ -384,10 +384,19 @@ def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:
             if "stop_unadopted" in row
             else _how_stopped(row.get("stopped")),
         )
-    if not out.is_terminal:  # a log or a pipe: one line per job, as wide as it takes
-        wide = Measurement.get(out, out.options.update_width(10_000), ranking).maximum
+    _print_wide(out, ranking)
+
+
+def _print_wide(out: Any, table: Any) -> None:
+    """Print ``table``; into a log or a pipe as wide as it takes (one line per row, no
+    cell cut at 80 columns), on a terminal folded to its width."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    if not out.is_terminal:
+        wide = Measurement.get(out, out.options.update_width(10_000), table).maximum
         out = Console(file=out.file, width=max(out.width, wide))
-    out.print(ranking)
+    out.print(table)
 
 
 def _how_stopped(stop: dict[str, Any] | None) -> str:
@@ -417,22 +426,25 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     from adaptipe.runtime.rundir import RunDir
 
     stopped = stop_jobs(args.run_dir, args.jobs, reason=args.reason)
-    print(
-        f"asked {args.run_dir} to stop job(s) {', '.join(map(str, stopped))}; the array is "
-        "re-planned and switches at the next window boundary"
-    )
     run = RunDir(Path(args.run_dir))
-    if not run.metrics.exists() and not any((run.root / "stages").glob("stage-*.jsonl")):
+    names = json.loads(run.config_json.read_text())["sweep"]["jobs"]
+    which = ", ".join(f"{names[j]['name']} (#{j})" for j in stopped)
+    print(f"asked {args.run_dir} to stop job(s) {which}")
+    started = run.metrics.exists() or any((run.root / "stages").glob("stage-*.jsonl"))
+    manager = manager_running(run)
+    if manager is not False:  # here, or on another host
+        print("the manager re-plans the array; the workers switch at the next window boundary")
+    elif not started:
         print(
-            "note: this run has not started training; workers started on it (torchrun) "
-            "take the request up, a new `adaptipe train` of the config starts afresh "
-            "without it",
+            "note: this run has not started training and no manager acts on the request; "
+            "a new `adaptipe train` of the config starts afresh without it (leave the jobs "
+            "out of the [sweep] instead)",
             file=sys.stderr,
         )
-    elif manager_running(run) is False:
+    else:
         print(
             "note: no `adaptipe train` manages this run now (it stopped before its last "
-            f"iteration, or its workers run under torchrun); the request applies when "
+            "iteration, or its workers run under torchrun); the request applies when "
             f"`adaptipe train --resume {args.run_dir}` continues it",
             file=sys.stderr,
         )
@@ -725,10 +737,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         from adaptipe.runtime.launch import Terminated
 
+        notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", []))
         if isinstance(exc, Terminated):
-            print("terminated", file=sys.stderr)
+            print(f"terminated{notes}", file=sys.stderr)
             return 128 + signal.SIGTERM
-        print("interrupted", file=sys.stderr)
+        print(f"interrupted{notes}", file=sys.stderr)
         return 130
 
 

@@ -3,39 +3,28 @@
 >>> from adaptipe.models import get_model
 >>> spec = get_model("gpt", n_layer=2)
 >>> stage = spec.build(1, 3, seed=0)  # layers [1, 3) of the model, as a stage builds them
+
+The models load on first use: ``MODEL_NAMES`` alone (the CLI's choices) imports no torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
-from adaptipe.models.cnn import CNNConfig, cnn_spec
-from adaptipe.models.data import Dataset
-from adaptipe.models.gpt import GPTConfig, gpt_spec
-from adaptipe.models.mlp import MLPConfig, mlp_spec
-from adaptipe.models.spec import ModelSpec, make_config
+
+if TYPE_CHECKING:
+    from adaptipe.models.data import Dataset
+    from adaptipe.models.spec import ModelSpec
 
 __all__ = ["MODEL_NAMES", "Dataset", "ModelSpec", "get_model"]
 
-
-def _mlp(overrides: dict[str, Any]) -> ModelSpec:
-    return mlp_spec(make_config("mlp", MLPConfig, overrides))
-
-
-def _gpt(overrides: dict[str, Any]) -> ModelSpec:
-    return gpt_spec(make_config("gpt", GPTConfig, overrides))
-
-
-def _cnn(overrides: dict[str, Any]) -> ModelSpec:
-    return cnn_spec(make_config("cnn", CNNConfig, overrides))
-
-
-_FACTORIES: dict[str, Callable[[dict[str, Any]], ModelSpec]] = {
-    "mlp": _mlp,
-    "gpt": _gpt,
-    "cnn": _cnn,
+# name -> (module, config class, spec builder)
+_FACTORIES: dict[str, tuple[str, str, str]] = {
+    "mlp": ("adaptipe.models.mlp", "MLPConfig", "mlp_spec"),
+    "gpt": ("adaptipe.models.gpt", "GPTConfig", "gpt_spec"),
+    "cnn": ("adaptipe.models.cnn", "CNNConfig", "cnn_spec"),
 }
 MODEL_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
@@ -45,7 +34,20 @@ def get_model(name: str, **overrides: Any) -> ModelSpec:
 
     ``get_model(spec.name, **spec.config)`` rebuilds an equal spec.
     """
-    factory = _FACTORIES.get(name)
-    if factory is None:
+    from adaptipe.models.spec import make_config
+
+    entry = _FACTORIES.get(name)
+    if entry is None:
         raise PlanError(f"unknown model {name!r} (allowed: {', '.join(MODEL_NAMES)})")
-    return factory(overrides)
+    module = importlib.import_module(entry[0])
+    config = make_config(name, getattr(module, entry[1]), overrides)
+    spec: ModelSpec = getattr(module, entry[2])(config)
+    return spec
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Dataset":
+        return importlib.import_module("adaptipe.models.data").Dataset
+    if name == "ModelSpec":
+        return importlib.import_module("adaptipe.models.spec").ModelSpec
+    raise AttributeError(f"module 'adaptipe.models' has no attribute {name!r}")

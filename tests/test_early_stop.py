@@ -231,10 +231,12 @@ def test_a_job_named_like_an_index_is_found_by_its_name(
     data = make_config(data={"microbatches": 1}).to_dict()
     data["sweep"] = {"jobs": [{"name": "1", "lr": 0.1}, {"name": "0", "lr": 0.2}, {"lr": 0.3}]}
     cfg = RunConfig.from_dict(data, source="test.toml")
-    assert _resolve_jobs(cfg, ["1"], "run") == [0]  # the job named "1", not job 1
-    assert _resolve_jobs(cfg, ["0", 2, "2", "job2"], "run") == [1, 2, 2, 2]
+    assert _resolve_jobs([j.name for j in cfg.jobs], ["1"], "run") == [
+        0
+    ]  # the job named "1", not job 1
+    assert _resolve_jobs([j.name for j in cfg.jobs], ["0", 2, "2", "job2"], "run") == [1, 2, 2, 2]
     with pytest.raises(PlanError, match=r"job 3 is not in the array \(0..2\)"):
-        _resolve_jobs(cfg, ["3"], "run")
+        _resolve_jobs([j.name for j in cfg.jobs], ["3"], "run")
 
 
 def test_workers_without_a_manager_refuse_halving_at_once(
@@ -255,14 +257,19 @@ def test_stop_says_when_no_manager_will_answer(
     run, _ = prepared
     assert manager_running(run) is False  # prepared, never trained
     assert main(["stop", str(run.root), "0"]) == 0
-    assert "this run has not started training" in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert f"asked {run.root} to stop job(s) lr=0.05 (#0)" in said.out
+    assert "switch" not in said.out  # nothing will: no manager
+    assert "this run has not started training and no manager acts" in said.err
     run.stage_metrics(0).write_text('{"event": "ready"}\n')  # its workers started (torchrun)
     assert main(["stop", str(run.root), "2"]) == 0
     assert "no `adaptipe train` manages this run now" in capsys.readouterr().err
     mark_manager(run, running=True)
     assert manager_running(run) is True
     assert main(["stop", str(run.root), "1"]) == 0
-    assert "no `adaptipe train`" not in capsys.readouterr().err
+    said = capsys.readouterr()
+    assert "no `adaptipe train`" not in said.err
+    assert "the workers switch at the next window boundary" in said.out
     marker = run.root / "control" / "manager.json"
     marker.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
     assert manager_running(run) is False
@@ -270,6 +277,24 @@ def test_stop_says_when_no_manager_will_answer(
     assert manager_running(run) is None  # on another host: cannot tell
     mark_manager(run, running=False)
     assert not marker.exists()
+
+
+def test_stop_answers_without_loading_torch(prepared: tuple[RunDir, RunConfig]) -> None:
+    # `adaptipe stop` reads the run directory only: torch's import (seconds on a busy
+    # machine) would delay the request by as many iterations.
+    import subprocess
+    import sys
+
+    run, _ = prepared
+    code = (
+        "import sys; from adaptipe.cli import main; "
+        f"print(main(['stop', {str(run.root)!r}, 'lr=0.1']), 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.splitlines()[-1] == "0 False", done.stdout + done.stderr
+    assert "stop job(s) lr=0.1 (#1)" in done.stdout
 
 
 def _dead_pid() -> int:

@@ -378,6 +378,10 @@ def test_command_prints_json_and_a_summary(
     assert "more than one iteration at a time with no budget), rule serial (rounds one" in text
     assert _run(["japsp", str(file), "--window", "auto"]) == 0  # [sweep]'s: 3 jobs, 2 stages
     assert "window of 17: makespan" in capsys.readouterr().out
+    zero = tmp_path / "zero.json"  # a valid instance whose blocks all take no time
+    zero.write_text(json.dumps({"stages": 2, "jobs": [{"forward": [0, 0], "backward": [0, 0]}]}))
+    assert _run(["japsp", str(zero), "--window", "2"]) == 0
+    assert "window of 2: makespan 0, 0 per iteration (0.0% less than" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,7 @@ def test_prepare_names_the_japsp_order_of_a_sweep(
     assert "windows of 25 iteration(s) (auto) ([sweep].solver 1f1b)" in capsys.readouterr().out
 
 
-def test_the_job_ranking_shows_whole_names_and_how_each_job_stopped(
+def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from adaptipe.runtime.launch import TrainSummary
@@ -196,6 +196,9 @@ def test_the_job_ranking_shows_whole_names_and_how_each_job_stopped(
         samples_per_s=1.0,
         wall_s=1.0,
         jobs=jobs,
+        stages=[
+            {"compute_s": 0.1, "wait_s": 0.0, "comm_s": 0.0, "resident_jobs": 4, "state_wait_s": 0}
+        ],
     )
     monkeypatch.setattr("adaptipe.runtime.train", lambda *a, **kw: summary)
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
@@ -204,7 +207,10 @@ def test_the_job_ranking_shows_whole_names_and_how_each_job_stopped(
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)
     assert main(["train", str(config), "--no-progress"]) == 0
-    rows = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    out = capsys.readouterr().out
+    assert "communication ms" in out and "state wait ms (host)" in out  # headers whole
+    assert "each job's below), 1 samples/s (steady state)" in out  # the sentence unbroken
+    rows = {line.split()[1]: line for line in out.splitlines() if "│" in line}
     assert long in rows["1"]  # on one line, in full
     assert "│ -" in rows["1"]  # trained to the end
     assert "halving @ 40 " in rows["2"] and "successive halving" not in rows["2"]

@@ -197,7 +197,8 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
             {"grid": {"optimizer": ["sgd", "adam"], "momentum": [0.5]}},
             {},
             "[sweep.grid] (optimizer=adam,momentum=0.5).momentum is only for sgd "
-            "(got 0.5 with optimizer = 'adam')",
+            "(got 0.5 with optimizer = 'adam'); a grid crosses every optimizer with every "
+            "value: list such jobs in [[sweep.jobs]] instead",
         ),
         (
             {"jobs": [{"momentum": 1.5}]},

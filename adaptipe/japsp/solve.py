@@ -258,9 +258,11 @@ def run_japsp_command(args: argparse.Namespace) -> int:
         print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))
     if window is not None:
         per = window.makespan / window.rounds
-        change = per / result.makespan - 1
+        change = per / result.makespan - 1 if result.makespan > 0 else 0.0  # all-zero times
         versus = (
-            f"{100 * -change:.1f}% less than" if change <= 0 else f"{100 * change:.1f}% more than"
+            f"{100 * abs(change):.1f}% less than"
+            if change <= 0
+            else f"{100 * change:.1f}% more than"
         )
         unbudgeted = " with no budget" if args.memory_budget else ""
         print(

@@ -1,5 +1,28 @@
-"""The runtime: stage workers executing a `Schedule` for real over torch.distributed."""
+"""The runtime: stage workers executing a `Schedule` for real over torch.distributed.
 
-from adaptipe.runtime.launch import Plans, StageFailed, TrainSummary, prepare, resolve_plans, train
+The names below load on first use, so commands that only read a run directory (``adaptipe
+stop``) do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from adaptipe.runtime.launch import (
+        Plans,
+        StageFailed,
+        TrainSummary,
+        prepare,
+        resolve_plans,
+        train,
+    )
 
 __all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return getattr(importlib.import_module("adaptipe.runtime.launch"), name)
+    raise AttributeError(f"module 'adaptipe.runtime' has no attribute {name!r}")

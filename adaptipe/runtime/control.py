@@ -40,14 +40,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
-from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.schedule.types import Instruction, Schedule
 from adaptipe.serial import read_json, write_json
+
+if TYPE_CHECKING:
+    from adaptipe.runtime.config import RunConfig
 
 __all__ = [
     "ActiveFollower",
@@ -251,24 +253,40 @@ def halving_survivors(losses: dict[int, float], keep: float) -> list[int]:
 
 
 # ---------------------------------------------------------------------- user API
-def _resolve_jobs(config: RunConfig, jobs: Sequence[int | str], where: str) -> list[int]:
-    names = {job.name: job.index for job in config.jobs}
+def _resolve_jobs(
+    names_in_order: Sequence[str], jobs: Sequence[int | str], where: str
+) -> list[int]:
+    names = {name: index for index, name in enumerate(names_in_order)}
+    count = len(names_in_order)
     out: list[int] = []
     for job in jobs:
         if isinstance(job, str) and job in names:  # a name first: a job may be named "3"
             index = names[job]
         elif isinstance(job, int) or (isinstance(job, str) and job.isdigit()):
             index = int(job)
-            if not 0 <= index < len(config.jobs):
-                raise PlanError(
-                    f"{where}: job {index} is not in the array (0..{len(config.jobs) - 1})"
-                )
+            if not 0 <= index < count:
+                raise PlanError(f"{where}: job {index} is not in the array (0..{count - 1})")
         else:
             raise PlanError(
                 f"{where}: no job named {job!r} (jobs: {', '.join(names)}; or an index)"
             )
         out.append(index)
     return out
+
+
+def _array_of(run: RunDir) -> tuple[list[str], int | None]:
+    """The job names of a job-array run and its iteration count, read from its saved
+    config without building it (no model, no torch: `adaptipe stop` answers at once)."""
+    data = read_json(run.config_json)
+    sweep = data.get("sweep") if isinstance(data, dict) else None
+    if not isinstance(sweep, dict):
+        raise PlanError(f"{run.root}: not a job-array run (no [sweep]); nothing to stop")
+    try:
+        names = [str(job["name"]) for job in sweep["jobs"]]
+        iterations = data.get("train", {}).get("iterations")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise PlanError(f"{run.config_json}: malformed config.json ({exc})") from None
+    return names, iterations if isinstance(iterations, int) else None
 
 
 def stop_jobs(
@@ -283,25 +301,24 @@ def stop_jobs(
     run = RunDir(Path(run_dir))
     if not run.config_json.exists():
         raise PlanError(f"{run.root}: not a run directory (no config.json)")
-    config = run.read_config()
-    if config.sweep is None:
-        raise PlanError(f"{run.root}: not a job-array run (no [sweep]); nothing to stop")
+    names, iterations = _array_of(run)
     if run.summary.exists():  # written when the last iteration is done
         raise PlanError(
-            f"{run.root}: the run has finished (all {config.train.iterations} iterations; "
+            f"{run.root}: the run has finished (all {iterations} iterations; "
             f"see {run.summary.name}); there is nothing left to stop"
         )
     if not jobs:
         raise PlanError(f"{run.root}: name at least one job to stop")
-    indices = _resolve_jobs(config, jobs, str(run.root))
-    active = read_active(run, current_version(run), config)
-    if not set(indices) & set(active.jobs):
-        names = ", ".join(config.jobs[j].name for j in sorted(set(indices)))
-        raise PlanError(f"{run.root}: job(s) {names} already stopped; nothing to do")
-    if not set(active.jobs) - set(indices):
+    indices = _resolve_jobs(names, jobs, str(run.root))
+    version = current_version(run)
+    running = read_active(run, version).jobs if version else tuple(range(len(names)))
+    if not set(indices) & set(running):
+        gone = ", ".join(names[j] for j in sorted(set(indices)))
+        raise PlanError(f"{run.root}: job(s) {gone} already stopped; nothing to do")
+    if not set(running) - set(indices):
         raise PlanError(
             f"{run.root}: stopping {sorted(set(indices))} would leave no job running "
-            f"(active: {list(active.jobs)}); stop the run instead"
+            f"(active: {list(running)}); stop the run instead"
         )
     folder = _control(run) / "requests"
     folder.mkdir(parents=True, exist_ok=True)

@@ -429,18 +429,29 @@ def train(
         scenario = load_scenario(inject, num_stages=schedule.num_stages, num_cores=cores)
         if scenario.poisson:
             scenario = expand(scenario, horizon_s=_SCENARIO_HORIZON_S, seed=inject_seed)
-    return _run(
-        run,
-        cfg,
-        spec,
-        schedule,
-        start=start,
-        resume=resume,
-        on_iteration=on_iteration,
-        poll_s=poll_s,
-        scenario=scenario,
-        inject_seed=inject_seed,
-    )
+    try:
+        return _run(
+            run,
+            cfg,
+            spec,
+            schedule,
+            start=start,
+            resume=resume,
+            on_iteration=on_iteration,
+            poll_s=poll_s,
+            scenario=scenario,
+            inject_seed=inject_seed,
+        )
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say how to go on
+        exc.add_note(_resume_hint(run))
+        raise
+
+
+def _resume_hint(run: RunDir) -> str:
+    last = ckpt.latest(run.checkpoints)
+    if last is None:
+        return f"no checkpoint in {run.root} yet: a new `adaptipe train` starts afresh"
+    return f"resume from {last} with `adaptipe train --resume {run.root}`"
 
 
 def _run(
@@ -485,6 +496,7 @@ def _run(
         )
     for log in (run.metrics, run.root / "control.jsonl"):
         run.drop_torn_line(log)  # appended to below
+    run.forget_metrics_from(start)  # trained again from the checkpoint: logged once
     try:
         with (
             _sigterm_raises(),
@@ -658,8 +670,7 @@ def _failure(run: RunDir, stage: int, code: int | None) -> StageFailed:
             cause = f"killed by signal {signal.Signals(-code).name}"
         else:
             cause = f"exited with status {code}"
-    last = ckpt.latest(run.checkpoints)
-    resume = f"; resume from {last} with `adaptipe train --resume {run.root}`" if last else ""
+    resume = f"; {_resume_hint(run)}" if ckpt.latest(run.checkpoints) else ""
     return StageFailed(f"stage {stage} failed: {cause} (log: {run.log(stage)}){resume}")
 
 

@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
-from adaptipe.runtime.config import RunConfig
 from adaptipe.schedule.types import Schedule
 from adaptipe.serial import atomic_write_text, load_json_file, read_json, write_json
+
+if TYPE_CHECKING:
+    from adaptipe.runtime.config import RunConfig
 
 __all__ = ["RunDir"]
 
@@ -141,8 +143,20 @@ class RunDir:
             if data and not data.endswith(b"\n"):
                 fh.truncate(data.rfind(b"\n") + 1)
 
+    def forget_metrics_from(self, iteration: int) -> None:
+        """Drop the metrics of iterations ``iteration`` and later: a run resumed from
+        that checkpoint trains them again, and the report must show them once."""
+        if not self.metrics.exists():
+            return
+        lines = self.metrics.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if _iteration_of(line) < iteration]
+        if len(keep) != len(lines):
+            atomic_write_text(self.metrics, "".join(keep))
+
     # readers
     def read_config(self) -> RunConfig:
+        from adaptipe.runtime.config import RunConfig
+
         data = read_json(self.config_json)
         sweep = data.get("sweep") if isinstance(data, dict) else None
         for job in sweep.get("jobs") or [] if isinstance(sweep, dict) else []:
@@ -168,3 +182,12 @@ class RunDir:
         if not self.metrics.exists():
             return []
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line.strip()]
+
+
+def _iteration_of(line: str) -> float:
+    """A metrics line's iteration (a torn or foreign line sorts first: it is kept)."""
+    try:
+        value = json.loads(line).get("iteration", -1)
+    except (ValueError, AttributeError):
+        return -1
+    return value if isinstance(value, int) else -1

@@ -347,7 +347,13 @@ def _check_used(
     ):
         if key in entry and entry[key] != inherited[key]:
             users = ", ".join(n for n, fs in OPTIMIZER_FIELDS.items() if key in fs)
+            hint = (
+                "; a grid crosses every optimizer with every value: list such jobs in "
+                "[[sweep.jobs]] instead"
+                if where.startswith("[sweep.grid]")
+                else ""
+            )
             raise PlanError(
                 f"{source}: {where}.{key} is only for {users} "
-                f"(got {entry[key]!r} with optimizer = {name!r})"
+                f"(got {entry[key]!r} with optimizer = {name!r}){hint}"
             )
