@@ -355,6 +355,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
             table.add_row(*cells)
         _print_wide(out, table)
     if summary.jobs:
+        plan = Path(summary.run_dir) / "japsp-solution.json"
+        if plan.exists():  # how the array was scheduled (as `adaptipe prepare` says)
+            solution = json.loads(plan.read_text())
+            rounds = solution.get("window", {}).get("rounds", 1)
+            quality = (
+                "optimal"
+                if solution.get("optimal")
+                else f"within {100 * float(solution.get('gap') or 0):.1f}% of its lower bound"
+            )
+            out.print(
+                f"job-array: {len(summary.jobs)} jobs, block order by the {solution['solver']} "
+                f"solver ({quality}), windows of {rounds} iteration(s) with all jobs "
+                "(see japsp-solution.json)",
+                soft_wrap=not out.is_terminal,
+            )
         _print_ranking(out, summary.jobs)
     out.print(
         f"run directory: {summary.run_dir}"

@@ -188,8 +188,10 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
             "stopped": {"reason": "looks bad", "decided_at": None, "iteration": 7},
         },
     ]
+    solution = {"solver": "ga", "optimal": False, "gap": 0.012, "window": {"rounds": 13}}
+    (tmp_path / "japsp-solution.json").write_text(json.dumps(solution))
     summary = TrainSummary(
-        run_dir="r",
+        run_dir=str(tmp_path),
         iterations=80,
         start_iteration=0,
         final_loss=0.4,
@@ -210,6 +212,10 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
     out = capsys.readouterr().out
     assert "communication ms" in out and "state wait ms (host)" in out  # headers whole
     assert "each job's below), 1 samples/s (steady state)" in out  # the sentence unbroken
+    assert (
+        "job-array: 4 jobs, block order by the ga solver (within 1.2% of its lower bound), "
+        "windows of 13 iteration(s) with all jobs" in out
+    )
     rows = {line.split()[1]: line for line in out.splitlines() if "│" in line}
     assert long in rows["1"]  # on one line, in full
     assert "│ -" in rows["1"]  # trained to the end
