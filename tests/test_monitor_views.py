@@ -319,3 +319,23 @@ def test_missing_or_empty_files_raise_a_plan_error_naming_the_path(
     with pytest.raises(PlanError) as info:
         args.func(args)
     assert str(root / named) in str(info.value) if named != "run" else str(root) in str(info.value)
+
+
+def test_loss_curves_are_labelled_with_the_job_names(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from adaptipe.monitor import charts
+    from adaptipe.monitor.report import _job_names
+
+    (run_dir / "config.json").write_text(
+        json.dumps({"sweep": {"jobs": [{"name": "lr=0.01"}, {"name": "lr=0.1"}]}})
+    )
+    names = _job_names(run_dir)
+    assert names == {"0": "lr=0.01", "1": "lr=0.1"}
+    assert _job_names(run_dir / "nowhere") == {}
+    figures: list[Any] = []
+    monkeypatch.setattr(charts, "_save", lambda fig, path: figures.append(fig))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    charts._plot_throughput(metrics, [], run_dir / "t.png", names)
+    labels = figures[0].axes[1].get_legend_handles_labels()[1]
+    assert labels[:2] == ["lr=0.01 (#0)", "lr=0.1 (#1)"]

@@ -123,7 +123,9 @@ def as_float(value: Any) -> float:
     return float(value) if ok and math.isfinite(value) else math.nan
 
 
-def _plot_throughput(metrics: list[dict[str, Any]], marks: list[Mark], path: Path) -> None:
+def _plot_throughput(
+    metrics: list[dict[str, Any]], marks: list[Mark], path: Path, names: dict[str, str]
+) -> None:
     its = np.array([m["iteration"] for m in metrics], dtype=float)
     sps = np.array([as_float(m.get("samples_per_s")) for m in metrics])
     fig = _new_figure(10, 6.5)
@@ -136,7 +138,8 @@ def _plot_throughput(metrics: list[dict[str, Any]], marks: list[Mark], path: Pat
     if len(jobs) > 1:
         for job in jobs:
             ys = [as_float((m.get("losses") or {}).get(job)) for m in metrics]
-            bottom.plot(its, ys, lw=1.2, label=f"job {job}")
+            label = f"{names[job]} (#{job})" if job in names else f"job {job}"
+            bottom.plot(its, ys, lw=1.2, label=label)
     else:
         bottom.plot(
             its, [as_float(m.get("loss")) for m in metrics], color="#C44E52", lw=1.2, label="loss"
@@ -339,15 +342,19 @@ def draw_charts(
     links: list[LinkSample],
     t0: float,
     marks: list[Mark],
+    job_names: dict[str, str] | None = None,
 ) -> list[str]:
     """Draw every chart the logs have data for into ``out_dir`` as ``NAME.png``.
+
+    ``job_names``: a job-array's job names by index (as the metrics key them), for the
+    loss curves' legend.
 
     Returns:
         The names drawn, in page order: throughput and stage_times always, then device,
         layers and links where there is data for them.
     """
     drawn = ["throughput", "stage_times"]
-    _plot_throughput(metrics, marks, out_dir / "throughput.png")
+    _plot_throughput(metrics, marks, out_dir / "throughput.png", job_names or {})
     _plot_stage_times(metrics, marks, out_dir / "stage_times.png")
     if _plot_device(samples, t0, marks, out_dir / "device.png"):
         drawn.append("device")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 import math
 from collections.abc import Sequence
 from datetime import datetime
@@ -167,6 +168,15 @@ def _events_html(marks: Sequence[Mark]) -> str:
     return _table(("event", "seconds since start", "iteration", "detail"), rows)
 
 
+def _job_names(root: Path) -> dict[str, str]:
+    """A job-array's job names by index, from the run's config.json ({} otherwise)."""
+    try:
+        jobs = json.loads((root / "config.json").read_text())["sweep"]["jobs"]
+        return {str(i): str(job["name"]) for i, job in enumerate(jobs)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the charts and write ``report.html`` into ``out`` (default ``RUN_DIR/report``).
 
@@ -194,7 +204,14 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     t_end = max((r.time_s for r in log.records), default=t0) - t0
     marks = run_marks(log, stats, t0, t_end)
     drawn = draw_charts(
-        out_dir, metrics=metrics, stats=stats, samples=samples, links=links, t0=t0, marks=marks
+        out_dir,
+        metrics=metrics,
+        stats=stats,
+        samples=samples,
+        links=links,
+        t0=t0,
+        marks=marks,
+        job_names=_job_names(log.root),
     )
     for chart in set(_CHARTS) - set(drawn):  # a previous report's chart would mislead
         (out_dir / f"{chart}.png").unlink(missing_ok=True)
