@@ -8,6 +8,7 @@ helpers here do the field checking so that messages read the same everywhere, e.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -171,6 +172,23 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every non-finite float (a diverged loss: NaN, inf) made None, so
+    it serialises as strict JSON (``null``), which every JSON reader accepts."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def json_line(record: Any, **kwargs: Any) -> str:
+    """One JSON-lines record, strict JSON (non-finite floats as null), newline-terminated."""
+    return json.dumps(finite(record), allow_nan=False, **kwargs) + "\n"
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:

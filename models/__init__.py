@@ -45,7 +45,7 @@ def get_model(name: str, **overrides: Any) -> ModelSpec:
     return spec
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "Dataset":
         return importlib.import_module("adaptipe.models.data").Dataset
     if name == "ModelSpec":

@@ -225,6 +225,30 @@ def test_stop_requests_are_checked_before_anything_is_written(
     assert main(["stop", str(single.root), "0"]) == 2
 
 
+def test_stop_is_refused_once_the_last_checkpoint_holds_every_iteration(
+    prepared: tuple[RunDir, RunConfig],
+) -> None:
+    run, _ = prepared  # 4 iterations; the jobs are evaluated before summary.json is written
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    (run.checkpoints / "latest.json").write_text(json.dumps({"iteration": 3}))
+    assert stop_jobs(run.root, [1]) == [1]  # one iteration left: still answered
+    (run.checkpoints / "latest.json").write_text(json.dumps({"iteration": 4}))
+    with pytest.raises(PlanError, match=r"the run has finished \(all 4 iterations"):
+        stop_jobs(run.root, [2])
+
+
+def test_resuming_a_cpsat_array_without_or_tools_is_refused_at_once(
+    prepared: tuple[RunDir, RunConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, _ = prepared
+    data = json.loads(run.config_json.read_text())
+    data["sweep"]["solver"] = "cpsat"  # as saved on a machine that had OR-Tools
+    run.config_json.write_text(json.dumps(data))
+    monkeypatch.setattr("adaptipe.japsp.cpsat.available", lambda: False)
+    with pytest.raises(PlanError, match=r"\[sweep\].solver 'cpsat' needs OR-Tools"):
+        train(run.read_config(), run_dir=run.root, resume=True)
+
+
 def test_a_job_named_like_an_index_is_found_by_its_name(
     make_config: Callable[..., RunConfig],
 ) -> None:
@@ -445,7 +469,7 @@ def test_a_stop_that_comes_in_the_last_window_is_reported_as_not_adopted(
 
     from adaptipe.cli import _print_ranking
 
-    cfg = _array(make_config, 6)  # one window: the stop can only come after it started
+    cfg = _array(make_config, 6, window=6)  # one window: the stop comes after it started
 
     def on_iteration(rec: dict[str, Any], total: int) -> None:
         if rec["iteration"] == 0:

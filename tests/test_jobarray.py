@@ -4,7 +4,6 @@ parameters they would have trained alone (same seed, data order and hyper-parame
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -222,8 +221,18 @@ def test_a_diverging_job_does_not_stop_its_siblings(make_config: Callable[..., R
     data["sweep"] = {"grid": {"lr": [1e4, 0.05]}, "solver": "1f1b"}
     cfg = RunConfig.from_dict(data, source="test.toml")
     summary = train(cfg)
-    losses = [r["losses"]["0"] for r in RunDir(summary.run_dir).read_metrics()]
-    assert not math.isfinite(losses[-1]), losses
+    run = RunDir(summary.run_dir)
+    losses = [r["losses"]["0"] for r in run.read_metrics()]
+    assert losses[-1] is None, losses  # diverged: strict JSON has no NaN, so null
+    logs = [run.metrics, run.telemetry, run.stage_metrics(0), run.stage_metrics(1)]
+    bad = [  # every JSON-lines log parses as strict JSON (no NaN or Infinity)
+        (path.name, line)
+        for path in logs
+        for line in path.read_text().splitlines()
+        if any(word in line for word in ("NaN", "Infinity"))
+    ]
+    assert not bad, bad[:3]
+    assert all(json.loads(line) for path in logs for line in path.read_text().splitlines())
     got, want = _job_params(summary.run_dir, 1), _alone(cfg, cfg.jobs[1])
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

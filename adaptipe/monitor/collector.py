@@ -11,7 +11,6 @@ every accepted record can also go to a ``telemetry.jsonl`` file, one JSON line e
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from collections import Counter, deque
@@ -35,6 +34,7 @@ from adaptipe.monitor.schema import (
     TelemetryError,
     decode,
 )
+from adaptipe.serial import json_line
 
 __all__ = ["Collector"]
 
@@ -175,7 +175,7 @@ class Collector:
                     self._events.append(record)
         if self._jsonl is not None:
             try:
-                self._jsonl.write(json.dumps(record.to_dict(), separators=(",", ":")) + "\n")
+                self._jsonl.write(json_line(record.to_dict(), separators=(",", ":")))
             except OSError as exc:  # e.g. disk full: keep collecting in memory
                 log.warning(
                     "telemetry log %s failed (%s); no longer writing it", self._jsonl.name, exc

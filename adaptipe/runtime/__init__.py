@@ -7,7 +7,7 @@ stop``) do not pay for importing torch.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from adaptipe.runtime.launch import (
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in __all__:
         return getattr(importlib.import_module("adaptipe.runtime.launch"), name)
     raise AttributeError(f"module 'adaptipe.runtime' has no attribute {name!r}")

@@ -289,6 +289,14 @@ def _array_of(run: RunDir) -> tuple[list[str], int | None]:
     return names, iterations if isinstance(iterations, int) else None
 
 
+def _checkpointed(run: RunDir) -> int | None:
+    """The iteration the run's latest checkpoint holds (its pointer, read raw), if any."""
+    try:
+        return int(read_json(run.checkpoints / "latest.json")["iteration"])
+    except (OSError, PlanError, KeyError, TypeError, ValueError):
+        return None
+
+
 def stop_jobs(
     run_dir: str | os.PathLike[str], jobs: Sequence[int | str], *, reason: str = "user"
 ) -> list[int]:
@@ -302,7 +310,9 @@ def stop_jobs(
     if not run.config_json.exists():
         raise PlanError(f"{run.root}: not a run directory (no config.json)")
     names, iterations = _array_of(run)
-    if run.summary.exists():  # written when the last iteration is done
+    # summary.json comes a few seconds after the last checkpoint (jobs are evaluated)
+    done = iterations is not None and _checkpointed(run) == iterations
+    if run.summary.exists() or done:
         raise PlanError(
             f"{run.root}: the run has finished (all {iterations} iterations; "
             f"see {run.summary.name}); there is nothing left to stop"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -41,7 +40,7 @@ from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERV
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.schedule.validate import validate
-from adaptipe.serial import load_json_file, write_json
+from adaptipe.serial import finite, json_line, load_json_file, write_json
 from adaptipe.units import parse_bandwidth
 
 if TYPE_CHECKING:
@@ -107,18 +106,8 @@ class TrainSummary:
 
     def to_json(self) -> dict[str, Any]:
         """Strict JSON: a diverged loss (NaN, infinite) is null, not ``NaN``."""
-        out: dict[str, Any] = _finite(asdict(self))
+        out: dict[str, Any] = finite(asdict(self))
         return out
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +390,14 @@ def train(
         if not run.config_json.exists():
             raise PlanError(f"{run.root}: not a run directory (no config.json)")
         cfg = run.read_config()
+        if cfg.sweep is not None and cfg.sweep.solver == "cpsat":
+            from adaptipe.japsp.cpsat import available
+
+            if not available():  # a stop or a rung would re-plan with it mid-run
+                raise PlanError(
+                    f"{run.root}: the run's [sweep].solver 'cpsat' needs OR-Tools, which is "
+                    "not installed here (pip install 'adaptipe[cpsat]')"
+                )
         found = ckpt.latest(run.checkpoints)
         if found is None:
             raise PlanError(f"{run.root}: no committed checkpoint to resume from")
@@ -512,7 +509,7 @@ def _run(
                 ):
                     interference.start()
                 for rec in new:
-                    metrics.write(json.dumps(rec) + "\n")
+                    metrics.write(json_line(rec))
                     metrics.flush()
                     if interference is not None:
                         interference.on_iteration(rec["iteration"] + 1)
@@ -520,7 +517,7 @@ def _run(
                         on_iteration(rec, total)
                 if controller is not None:
                     for event in controller.poll():
-                        control_log.write(json.dumps(event) + "\n")
+                        control_log.write(json_line(event))
                         control_log.flush()
                 codes = [p.poll() for p in procs]
                 failed = next((s for s, c in enumerate(codes) if c not in (None, 0)), None)
@@ -528,19 +525,19 @@ def _run(
                     raise _failure(run, failed, codes[failed])
                 if all(c == 0 for c in codes):
                     for rec in follower.poll():
-                        metrics.write(json.dumps(rec) + "\n")
+                        metrics.write(json_line(rec))
                         if on_iteration is not None:
                             on_iteration(rec, total)
                     break
                 time.sleep(poll_s)
             if controller is not None:
                 for event in controller.poll():  # requests that came with the last records
-                    control_log.write(json.dumps(event) + "\n")
+                    control_log.write(json_line(event))
                 # A stop that came in the last window changed nothing: say so.
                 late = unadopted_stops(run, cfg)
                 if late:
                     event = {"event": "stop_unadopted", "jobs": sorted(late), "why": _LATE}
-                    control_log.write(json.dumps(event) + "\n")
+                    control_log.write(json_line(event))
     finally:
         if interference is not None:
             interference.stop()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import resource
@@ -53,7 +52,7 @@ from adaptipe.runtime.transport import (
     wire_device,
 )
 from adaptipe.schedule.types import Schedule
-from adaptipe.serial import load_json_file
+from adaptipe.serial import json_line, load_json_file
 
 __all__ = ["FAULT_ENV", "InjectedFault", "main", "run_worker"]
 
@@ -731,7 +730,7 @@ def _stage_stats(
 
 def _log(fh: TextIO, record: dict[str, Any]) -> None:
     record.setdefault("time", time.time())
-    fh.write(json.dumps(record) + "\n")
+    fh.write(json_line(record))
     fh.flush()
 
 
