@@ -48,6 +48,19 @@ def test_grid_expands_to_the_cartesian_product_in_order() -> None:
     assert all(j.seed == 5 and j.optimizer.momentum == 0.9 for j in jobs)  # the rest is inherited
 
 
+def test_grid_jobs_are_named_by_the_axes_that_vary() -> None:
+    cfg = _config({"grid": {"lr": [0.1, 0.2], "batch_size": [8], "seed": [1, 2]}})
+    assert [j.name for j in cfg.jobs] == [
+        "lr=0.1,seed=1",
+        "lr=0.1,seed=2",
+        "lr=0.2,seed=1",
+        "lr=0.2,seed=2",
+    ]
+    assert all(j.batch_size == 8 for j in cfg.jobs)  # set, only not in the names
+    (one,) = _config({"grid": {"lr": [0.1], "batch_size": [8]}}).jobs
+    assert one.name == "lr=0.1,batch_size=8"  # nothing varies: every axis names it
+
+
 def test_explicit_jobs_may_switch_optimizer_and_drop_momentum() -> None:
     cfg = _config(
         {

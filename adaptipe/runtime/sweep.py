@@ -19,6 +19,9 @@ lr = 1e-2
 optimizer = "adam"
 ```
 
+A grid's jobs are named by the axes that vary (``lr=0.001,batch_size=32`` with the grid
+above); ``adaptipe stop`` takes a name or a job's index.
+
 Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed,
 data_seed (and, in ``[[sweep.jobs]]``, nesterov, betas, eps); the rest comes from
 ``[optimizer]``, ``[data]`` and ``[train].seed``. A job sets only the fields its own
@@ -255,11 +258,15 @@ def _grid(grid: Any, source: str) -> list[tuple[dict[str, Any], str]]:
                 f"{source}: [sweep.grid].{key} must be a non-empty list (got {values!r})"
             )
         axes.append((key, values))
+    # A job is named by the axes that vary (all of them when none does): a value every
+    # job shares says nothing about which job it is.
+    varying = {key for key, values in axes if len(values) > 1} or {key for key, _ in axes}
     out: list[tuple[dict[str, Any], str]] = []
     for combo in itertools.product(*(values for _, values in axes)):
         entry = dict(zip((key for key, _ in axes), combo, strict=True))
-        entry["name"] = ",".join(f"{k}={v}" for k, v in entry.items())
-        out.append((entry, f"[sweep.grid] ({entry['name']})"))
+        where = ",".join(f"{k}={v}" for k, v in entry.items())
+        entry["name"] = ",".join(f"{k}={v}" for k, v in entry.items() if k in varying)
+        out.append((entry, f"[sweep.grid] ({where})"))
     return out
 
 
