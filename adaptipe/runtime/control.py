@@ -330,11 +330,16 @@ def stop_jobs(
             f"{run.root}: stopping {sorted(set(indices))} would leave no job running "
             f"(active: {list(running)}); stop the run instead"
         )
+    _request_stop(run, indices, reason)
+    return indices
+
+
+def _request_stop(run: RunDir, jobs: list[int], reason: str) -> None:
+    """Leave a stop request for the manager (`JobController.poll` reads it)."""
     folder = _control(run) / "requests"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"stop-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
-    write_json(folder / name, {"jobs": indices, "reason": reason, "time": time.time()})
-    return indices
+    write_json(folder / name, {"jobs": jobs, "reason": reason, "time": time.time()})
 
 
 # ---------------------------------------------------------------------- manager
