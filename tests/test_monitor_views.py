@@ -339,3 +339,14 @@ def test_loss_curves_are_labelled_with_the_job_names(
     charts._plot_throughput(metrics, [], run_dir / "t.png", names)
     labels = figures[0].axes[1].get_legend_handles_labels()[1]
     assert labels[:2] == ["lr=0.01 (#0)", "lr=0.1 (#1)"]
+
+
+def test_the_live_view_shows_each_iteration_once_across_a_resume() -> None:
+    state = MonitorState(window=20)
+    for it in range(6):
+        state.add_metrics({"iteration": it, "loss": 1.0})
+    for it in range(4):  # the resumed run rewrote metrics.jsonl: read again from the top
+        state.add_metrics({"iteration": it, "loss": 2.0})
+    state.add_metrics({"iteration": 4, "loss": 3.0})
+    assert [m["iteration"] for m in state.metrics] == [0, 1, 2, 3, 4]
+    assert state.metrics[-1]["loss"] == 3.0

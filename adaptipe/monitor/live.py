@@ -91,6 +91,11 @@ class MonitorState:
                 ring_l.append(record)
 
     def add_metrics(self, rec: dict[str, Any]) -> None:
+        """Keep ``rec``; a record for an iteration already shown replaces it and what came
+        after (a resumed run trains them again; its metrics file is re-read)."""
+        it = rec.get("iteration")
+        while isinstance(it, int) and self.metrics and self.metrics[-1].get("iteration", -1) >= it:
+            self.metrics.pop()
         self.metrics.append(rec)
         while len(self.metrics) > self.window:
             self.metrics.popleft()
