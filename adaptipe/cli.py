@@ -437,13 +437,13 @@ def _how_stopped(stop: dict[str, Any] | None) -> str:
 
 # --------------------------------------------------------------------------- stop
 def _cmd_stop(args: argparse.Namespace) -> int:
-    from adaptipe.runtime.control import manager_running, stop_jobs
+    from adaptipe.runtime.control import array_jobs, manager_running, stop_jobs
     from adaptipe.runtime.rundir import RunDir
 
     stopped = stop_jobs(args.run_dir, args.jobs, reason=args.reason)
     run = RunDir(Path(args.run_dir))
-    names = json.loads(run.config_json.read_text())["sweep"]["jobs"]
-    which = ", ".join(f"{names[j]['name']} (#{j})" for j in stopped)
+    names, _ = array_jobs(run)
+    which = ", ".join(f"{names[j]} (#{j})" for j in stopped)
     print(f"asked {args.run_dir} to stop job(s) {which}")
     started = run.metrics.exists() or any((run.root / "stages").glob("stage-*.jsonl"))
     manager = manager_running(run)

@@ -56,6 +56,7 @@ __all__ = [
     "ActiveSet",
     "JobController",
     "adoptions",
+    "array_jobs",
     "current_version",
     "halving_survivors",
     "is_rung",
@@ -274,7 +275,7 @@ def _resolve_jobs(
     return out
 
 
-def _array_of(run: RunDir) -> tuple[list[str], int | None]:
+def array_jobs(run: RunDir) -> tuple[list[str], int | None]:
     """The job names of a job-array run and its iteration count, read from its saved
     config without building it (no model, no torch: `adaptipe stop` answers at once)."""
     data = read_json(run.config_json)
@@ -309,7 +310,7 @@ def stop_jobs(
     run = RunDir(Path(run_dir))
     if not run.config_json.exists():
         raise PlanError(f"{run.root}: not a run directory (no config.json)")
-    names, iterations = _array_of(run)
+    names, iterations = array_jobs(run)
     # summary.json comes a few seconds after the last checkpoint (jobs are evaluated)
     done = iterations is not None and _checkpointed(run) == iterations
     if run.summary.exists() or done:
