@@ -26,7 +26,7 @@ from adaptipe.japsp.evaluate import OpTable, Orders, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.japsp.solve import Result
 
-__all__ = ["available", "solve_cpsat"]
+__all__ = ["available", "missing_ortools", "solve_cpsat"]
 
 
 def _cp_model() -> Any:
@@ -34,6 +34,15 @@ def _cp_model() -> Any:
         return importlib.import_module("ortools.sat.python.cp_model")
     except ImportError:
         raise PlanError("install adaptipe[cpsat] (ortools) to use --solver cpsat") from None
+
+
+def missing_ortools(prefix: str, also: str = "") -> PlanError:
+    """The error for a ``[sweep].solver = "cpsat"`` where OR-Tools is not installed;
+    ``prefix`` names where (ending in the subject), ``also`` adds to the install hint."""
+    return PlanError(
+        f"{prefix} [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
+        f"(pip install 'adaptipe[cpsat]'{also})"
+    )
 
 
 def available() -> bool:

@@ -391,13 +391,10 @@ def train(
             raise PlanError(f"{run.root}: not a run directory (no config.json)")
         cfg = run.read_config()
         if cfg.sweep is not None and cfg.sweep.solver == "cpsat":
-            from adaptipe.japsp.cpsat import available
+            from adaptipe.japsp.cpsat import available, missing_ortools
 
             if not available():  # a stop or a rung would re-plan with it mid-run
-                raise PlanError(
-                    f"{run.root}: the run's [sweep].solver 'cpsat' needs OR-Tools, which is "
-                    "not installed here (pip install 'adaptipe[cpsat]')"
-                )
+                raise missing_ortools(f"{run.root}: the run's")
         found = ckpt.latest(run.checkpoints)
         if found is None:
             raise PlanError(f"{run.root}: no committed checkpoint to resume from")

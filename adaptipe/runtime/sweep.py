@@ -55,6 +55,7 @@ from typing import Any
 
 from adaptipe.errors import PlanError
 from adaptipe.japsp.cpsat import available as cpsat_available
+from adaptipe.japsp.cpsat import missing_ortools
 from adaptipe.japsp.window import auto_window
 from adaptipe.serial import get_float, get_int, get_list, get_str
 
@@ -216,11 +217,8 @@ def parse_sweep(
         )
     solver = get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw)
     if strict and solver == "cpsat" and not cpsat_available():
-        raise PlanError(
-            f"{source}: [sweep].solver 'cpsat' needs OR-Tools, which is not installed "
-            "(pip install 'adaptipe[cpsat]'; or use another solver: "
-            f"{', '.join(s for s in SOLVER_NAMES if s != 'cpsat')})"
-        )
+        others = ", ".join(s for s in SOLVER_NAMES if s != "cpsat")
+        raise missing_ortools(f"{source}:", f"; or use another solver: {others}")
     return SweepSection(
         jobs=tuple(jobs),
         solver=solver,
