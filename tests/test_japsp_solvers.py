@@ -370,9 +370,11 @@ def test_command_prints_json_and_a_summary(
     assert window["rounds"] == 3 and len(window["orders"]) == 2
     assert window["per_iteration"] <= out["makespan"] + 1e-9
     assert window["makespan"] == pytest.approx(3 * window["per_iteration"])
+    assert window["jittered_makespan"] >= 0.9 * window["makespan"]  # late blocks rarely help
     assert _run(["japsp", str(file), "--window", "3"]) == 0
     text = capsys.readouterr().out
     assert "window of 3: makespan" in text and "less than one iteration at a time)" in text
+    assert "with block times spread by 10%, " in text and " per iteration on average;" in text
     assert _run(["japsp", str(file), "--window", "3", "--memory-budget", "1"]) == 0
     text = capsys.readouterr().out  # one job in flight: no overlap, and the budget costs
     assert "more than one iteration at a time with no budget), rule serial (rounds one" in text

@@ -227,11 +227,12 @@ def run_japsp_command(args: argparse.Namespace) -> int:
     )
     window = None
     if args.window != 1 or args.memory_budget:
-        from adaptipe.japsp.window import best_window
+        from adaptipe.japsp.window import JITTER, best_window, expected_makespan
 
         round_orders, window = best_window(
             inst, result.orders, args.window, budget=args.memory_budget
         )
+        jittered = expected_makespan(inst, window, jitter=JITTER)
     if args.json:
         out = result.to_json()
         if window is not None:
@@ -239,6 +240,7 @@ def run_japsp_command(args: argparse.Namespace) -> int:
                 "rounds": window.rounds,
                 "makespan": window.makespan,
                 "per_iteration": window.makespan / window.rounds,
+                "jittered_makespan": jittered,
                 "rule": window.rule,
                 "round_orders": [[f"{k}{j}" for k, j in stage] for stage in round_orders],
                 "orders": window.to_json(),
@@ -268,7 +270,8 @@ def run_japsp_command(args: argparse.Namespace) -> int:
         print(
             f"window of {window.rounds}: makespan {window.makespan:g}, {per:g} per iteration "
             f"({versus} one iteration at a time{unbudgeted}), rule {window.rule} "
-            f"({_RULE_SAYS[window.rule]}); round order:"
+            f"({_RULE_SAYS[window.rule]}); with block times spread by {100 * JITTER:.0f}%, "
+            f"{jittered / window.rounds:g} per iteration on average; round order:"
         )
         for s, stage in enumerate(round_orders):
             print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))

@@ -89,7 +89,7 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
     from adaptipe.japsp.compile import to_schedule
     from adaptipe.japsp.evaluate import evaluate
     from adaptipe.japsp.solve import solve
-    from adaptipe.japsp.window import best_window
+    from adaptipe.japsp.window import JITTER, best_window, expected_makespan
 
     assert config.sweep is not None
     result = solve(
@@ -110,6 +110,7 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
             "rounds": rounds,
             "makespan": window.makespan,
             "per_iteration": window.makespan / rounds,
+            "jittered_makespan": expected_makespan(instance, window, jitter=JITTER),
             "rule": window.rule,
             "round_orders": [[f"{k}{j}" for k, j in stage] for stage in orders],
             "round_makespan": evaluate(instance, orders).makespan,
