@@ -26,6 +26,7 @@ __all__ = [
     "get_list",
     "get_str",
     "load_json_file",
+    "new_file_mode",
     "read_json",
     "write_json",
 ]
@@ -158,12 +159,30 @@ def load_json_file(path: str | os.PathLike[str], from_json: Callable[..., T]) ->
     return from_json(read_json(path), source=str(path))
 
 
+def new_file_mode() -> int:
+    """The permissions ``open()`` gives a new file under this process's umask.
+
+    Atomic writes go through `tempfile.mkstemp`, which creates files 0600 whatever the
+    umask; without this, a run directory mixed private files with readable ones."""
+    try:
+        with open("/proc/self/status") as fh:  # Linux: the umask without changing it
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write a file atomically: temp file in the same folder, fsync, rename."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
@@ -191,5 +210,12 @@ def json_line(record: Any, **kwargs: Any) -> str:
     return json.dumps(finite(record), allow_nan=False, **kwargs) + "\n"
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+def write_json(path: str | os.PathLike[str], data: Any, *, strict: bool = False) -> None:
+    """Write ``data`` as JSON, atomically. ``strict``: non-finite floats (a diverged
+    job's loss) become ``null``, which every JSON reader accepts; without it they are
+    written as ``NaN`` / ``Infinity``, which Python reads back (plans, profiles)."""
+    if strict:
+        text = json.dumps(finite(data), indent=2, allow_nan=False)
+    else:
+        text = json.dumps(data, indent=2)
+    atomic_write_text(path, text + "\n")

@@ -242,6 +242,29 @@ def test_round_trip_commit_latest_and_load(tmp_path: Path) -> None:
     _assert_bitwise_equal(tensors, expected)
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_files_are_created_as_the_umask_says(tmp_path: Path, umask: int) -> None:
+    # mkstemp creates 0600 files whatever the umask: a run directory mixed private
+    # checkpoints and JSON files with readable logs.
+    from adaptipe.serial import write_json
+
+    spec = _spec()
+    old = os.umask(umask)
+    try:
+        layers = _layers(spec, seed=0)
+        directory = _save(tmp_path, 10, [[0, 1], [2, 3]], layers, dict.fromkeys(range(4)), spec)
+        write_json(tmp_path / "plain.json", {"a": 1})
+        with (tmp_path / "opened.txt").open("w"):
+            pass
+    finally:
+        os.umask(old)
+    want = 0o666 & ~umask
+    files = [p for p in directory.iterdir() if p.is_file()]
+    assert files and (tmp_path / "opened.txt").stat().st_mode & 0o777 == want
+    for path in [*files, tmp_path / "plain.json"]:
+        assert path.stat().st_mode & 0o777 == want, path
+
+
 def test_commit_needs_every_stage(tmp_path: Path) -> None:
     spec = _spec()
     ckpt.save_stage(tmp_path / "iter-000005", stage=0, tensors={"a": torch.ones(1)}, meta={})

@@ -137,3 +137,17 @@ def test_sizes_parse_with_binary_and_decimal_units() -> None:
     assert parse_bytes("512MB") == 512e6
     with pytest.raises(PlanError, match="examples"):
         parse_bytes("lots")
+
+
+def test_strict_json_files_write_non_finite_floats_as_null(tmp_path: Path) -> None:
+    # Run outputs (an active set's stopped jobs carry their last validation loss, NaN
+    # for a diverged job) must parse in any JSON reader; plan files keep Python's
+    # NaN / Infinity round trip.
+    data = {"val_loss": float("nan"), "loads": [1.5, float("inf")]}
+    write_json(tmp_path / "strict.json", data, strict=True)
+    text = (tmp_path / "strict.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"val_loss": None, "loads": [1.5, None]}
+    write_json(tmp_path / "plain.json", data)
+    back = json.loads((tmp_path / "plain.json").read_text())
+    assert back["loads"] == [1.5, float("inf")] and back["val_loss"] != back["val_loss"]

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
+from adaptipe.serial import new_file_mode
 
 __all__ = [
     "CheckpointError",
@@ -171,6 +172,9 @@ def _atomic(path: Path, write: Callable[[Path], object]) -> None:
     tmp = Path(name)
     try:
         write(tmp)
+        # mkstemp creates 0600 (and safetensors replaces the file with its own 0600
+        # one): without this, checkpoints would be private whatever the umask.
+        os.chmod(tmp, new_file_mode())
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -456,7 +456,7 @@ class JobController:
         active = ActiveSet(
             version=version, jobs=tuple(remaining), schedule=schedule, stopped=stopped
         )
-        write_json(_version_path(self.run, version), active.to_json())
+        write_json(_version_path(self.run, version), active.to_json(), strict=True)
         write_json(_control(self.run) / "active.json", {"version": version})
         self.version, self.active = version, active
         return [
