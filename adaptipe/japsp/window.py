@@ -59,13 +59,14 @@ whenever it can start first (non-delay list scheduling).
 JITTER = 0.1
 """Spread (relative standard deviation) of block times `best_window` plans for. In
 traces of 4 equal jobs on this project's 2-core CPU machine, a stage's blocks of one
-kind vary by 12-14%."""
+kind vary by 12-14%; on that benchmark's costs (and on profiles of it that put either
+stage ahead) any spread from 3% to 20% picks the same window, so a round figure does."""
 
 NEAR = 0.01
 """Windows within this share of the shortest, by the block costs, are ranked by their
 mean makespan with block times spread by `JITTER`."""
 
-_SAMPLES = 16  # draws per window, fewer for long windows (about _REPLAY_WORK blocks each)
+_SAMPLES = 16  # draws per window; long windows get fewer (_REPLAY_WORK blocks in all, >= 4)
 _REPLAY_WORK = 100_000
 
 AUTO_WINDOW_MAX = 32
@@ -170,7 +171,9 @@ def _in_flight(tab: OpTable, seq: Sequence[int]) -> int:
 def best_window(
     inst: JapspInstance, orders: Sequence[Sequence[object]], rounds: int, *, budget: int = 0
 ) -> tuple[Orders, Window]:
-    """The round order whose window of ``rounds`` runs shortest, and that window.
+    """The round order whose window of ``rounds`` should run shortest, and that window:
+    the least mean makespan with jittered block times among the windows within `NEAR`
+    of the shortest by the block costs.
 
     Candidates: ``orders`` (the solver's, optimal for one round) and the 1F1B,
     1F1B-one-step-ahead, round-robin and GPipe orders. Orders that tie for one round
@@ -188,7 +191,9 @@ def best_window(
     block stalls the stage after it; one step ahead, it does not. So the windows within
     `NEAR` of the shortest are ranked by their mean makespan over seeded samples of
     block times spread by `JITTER` (`expected_makespan`); ties keep the earlier
-    candidate. Deterministic: every worker picks the same window.
+    candidate. The draws are plain arithmetic on Python's seeded generator, so every
+    worker picks the same window. One step ahead holds one more job's activations on
+    every stage but the last; a memory ``budget`` counts it like any order.
     """
     from adaptipe.japsp.baselines import gpipe_orders, one_f_one_b_orders, round_robin_orders
 
@@ -200,7 +205,7 @@ def best_window(
 
     candidates: list[Sequence[Sequence[object]]] = [orders]
     if rounds > 1 or over(orders):
-        candidates += [f(inst).orders for f in (one_f_one_b_orders,)]
+        candidates.append(one_f_one_b_orders(inst).orders)
         candidates.append(_one_step_ahead(inst.num_stages, inst.num_jobs))
         candidates += [f(inst).orders for f in (round_robin_orders, gpipe_orders)]
     if budget > 0 and all(over(cand) for cand in candidates):
@@ -214,22 +219,40 @@ def best_window(
     pool = [(window, cand) for o, window, cand in scored if o == least]
     shortest = min(window.makespan for window, _ in pool)
     near = [(w, c) for w, c in pool if w.makespan <= shortest * (1 + NEAR) + 1e-12]
-    if len(near) == 1:
-        window, cand = near[0]
-    else:
+    distinct: dict[tuple[tuple[RoundBlock, ...], ...], tuple[Window, Sequence[Sequence[object]]]]
+    distinct = {}
+    for w, c in near:  # rules often give one window twice: replay it once
+        distinct.setdefault(w.orders, (w, c))
+    near = list(distinct.values())
+    window, cand = near[0]
+    if len(near) > 1:
         spread = _Jitter(tab, rounds)
-        score = [spread.expected(w) for w, _ in near]
-        window, cand = near[min(range(len(near)), key=lambda i: (score[i], i))]
+        lowest = spread.expected(window)
+        for w, c in near[1:]:  # ties (to a relative 1e-9) keep the earlier candidate
+            score = spread.expected(w)
+            if score < lowest * (1 - 1e-9):
+                window, cand, lowest = w, c, score
     return tuple(tuple(parse_block(b) for b in stage) for stage in cand), window
 
 
 def expected_makespan(
-    inst: JapspInstance | OpTable, window: Window, *, jitter: float = 0.0, samples: int = 16
+    inst: JapspInstance | OpTable,
+    window: Window,
+    *,
+    jitter: float = 0.0,
+    samples: int | None = None,
 ) -> float:
     """``window``'s makespan with its per-stage orders fixed and every block's time
-    (update included) scaled by ``1 + jitter x N(0, 1)`` (at least a quarter of it):
-    the mean over ``samples`` seeded draws. ``jitter = 0`` gives the makespan by the
-    block costs."""
+    scaled by ``1 + jitter x Z`` (at least a quarter of it), ``Z`` a standard normal
+    draw (a sum of 12 uniforms less 6: plain arithmetic, so every platform draws the
+    same): the mean over ``samples`` seeded draws, by default as many as `best_window`
+    ranks with (16, fewer for long windows). A backward's output leaves when its own
+    work is done, before its update. ``jitter = 0`` gives the makespan by the block
+    costs."""
+    if jitter < 0 or (samples is not None and samples < 1):
+        raise PlanError(
+            f"expected_makespan: needs jitter >= 0 and samples >= 1 (got {jitter}, {samples})"
+        )
     tab = inst if isinstance(inst, OpTable) else OpTable.of(inst)
     return _Jitter(tab, window.rounds, jitter=jitter, samples=samples).expected(window)
 
@@ -243,30 +266,37 @@ class _Jitter:
     ) -> None:
         self.tab, self.rounds = tab, rounds
         size = tab.n * rounds
+        if jitter == 0:
+            self.scales = [[1.0] * size]
+            return
         if samples is None:
             samples = max(4, min(_SAMPLES, _REPLAY_WORK // max(1, size)))
         rng = random.Random(0)
+        draw = rng.random
         self.scales = [
-            [max(0.25, 1.0 + jitter * rng.gauss(0.0, 1.0)) for _ in range(size)]
-            for _ in range(samples if jitter > 0 else 1)
+            [max(0.25, 1.0 + jitter * (sum(draw() for _ in range(12)) - 6.0)) for _ in range(size)]
+            for _ in range(samples)
         ]
 
     def expected(self, window: Window) -> float:
         tab, rounds = self.tab, self.rounds
-        if window.rounds != rounds:
-            raise PlanError(f"expected_makespan: a window of {window.rounds} rounds, not {rounds}")
+        if window.rounds != rounds or len(window.orders) != tab.stages:
+            raise PlanError(
+                f"expected_makespan: a window of {window.rounds} rounds over "
+                f"{len(window.orders)} stages, not {rounds} over {tab.stages}"
+            )
         steps = self._steps(window)
         total = 0.0
         for scale in self.scales:
-            done = [0.0] * (tab.n * rounds)  # when the block's output leaves
+            done = [0.0] * (tab.n * rounds)  # when the block's output reaches the next
             free = [0.0] * tab.stages
             for key, s, o, pred, switch in steps:
                 t = free[s] + switch
                 if pred >= 0:
                     t = max(t, done[pred])
-                d = tab.dur[o] * scale[key]
-                done[key] = t + d + tab.lag[o] - tab.dur[o]
-                free[s] = t + d
+                k = scale[key]
+                done[key] = t + tab.rel[o] * k + tab.lag[o] - tab.rel[o]  # then the update
+                free[s] = t + tab.dur[o] * k
             total += max(free)
         return total / len(self.scales)
 
