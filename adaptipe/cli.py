@@ -364,9 +364,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 if solution.get("optimal")
                 else f"within {100 * float(solution.get('gap') or 0):.1f}% of its lower bound"
             )
+            from adaptipe.japsp.window import ROUND_ORDERS
+
+            order = solution.get("window", {}).get("round_order", "given")
+            how = (
+                "" if order == "given" else f", in the {ROUND_ORDERS.get(order, order)} round order"
+            )
             out.print(
                 f"job-array: {len(summary.jobs)} jobs, block order by the {solution['solver']} "
-                f"solver ({quality}), windows of {rounds} iteration(s) with all jobs "
+                f"solver ({quality}), windows of {rounds} iteration(s) with all jobs{how} "
                 "(see japsp-solution.json)",
                 soft_wrap=not out.is_terminal,
             )

@@ -21,6 +21,7 @@ from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.evaluate import OpTable
 from adaptipe.japsp.genetic import _job_sequences, _sequence_seeds, solve_ga
 from adaptipe.japsp.solve import add_japsp_parser
+from adaptipe.japsp.window import ROUND_ORDERS
 from adaptipe.schedule.onefoneb import one_f_one_b_order
 from adaptipe.schedule.validate import validate
 from tests._japsp_brute import brute_force_optimum
@@ -371,10 +372,12 @@ def test_command_prints_json_and_a_summary(
     assert window["per_iteration"] <= out["makespan"] + 1e-9
     assert window["makespan"] == pytest.approx(3 * window["per_iteration"])
     assert window["jittered_makespan"] >= 0.9 * window["makespan"]  # late blocks rarely help
+    assert window["round_order"] in ROUND_ORDERS
     assert _run(["japsp", str(file), "--window", "3"]) == 0
     text = capsys.readouterr().out
     assert "window of 3: makespan" in text and "less than one iteration at a time)" in text
     assert "with block times spread by 10%, " in text and " per iteration on average;" in text
+    assert " per iteration on average; round order " in text
     assert _run(["japsp", str(file), "--window", "3", "--memory-budget", "1"]) == 0
     text = capsys.readouterr().out  # one job in flight: no overlap, and the budget costs
     assert "more than one iteration at a time with no budget), rule serial (rounds one" in text

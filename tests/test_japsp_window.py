@@ -21,6 +21,7 @@ from adaptipe.japsp.window import (
     AUTO_WINDOW_MAX,
     JITTER,
     NEAR,
+    ROUND_ORDERS,
     _Jitter,
     _one_step_ahead,
     auto_window,
@@ -182,6 +183,7 @@ def test_within_the_budget_beats_a_shorter_order_over_it() -> None:
             max(minimum_budget(block_order(p)) for p in window_schedule(inst, window).stages) == 2
         )
     assert best_window(inst, gpipe, 1)[0] == tuple(tuple(s) for s in gpipe)  # no budget
+    assert best_window(inst, gpipe, 1)[1].order == "given"
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -328,6 +330,7 @@ def test_late_blocks_cost_less_with_the_first_stage_one_forward_ahead() -> None:
     one = unroll(inst, one_f_one_b_orders(inst).orders, 13)
     orders, window = best_window(inst, solve(inst, solver="bb").orders, 13)
     assert " ".join(f"{k}{j}" for k, j in orders[0]) == "F0 F1 F2 B0 F3 B1 B2 B3"
+    assert window.order == "1f1b-ahead" and window.order in ROUND_ORDERS
     assert window.makespan == pytest.approx(one.makespan)
     late_one = expected_makespan(inst, one, jitter=JITTER)
     late = expected_makespan(inst, window, jitter=JITTER)

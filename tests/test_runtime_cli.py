@@ -188,7 +188,8 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
             "stopped": {"reason": "looks bad", "decided_at": None, "iteration": 7},
         },
     ]
-    solution = {"solver": "ga", "optimal": False, "gap": 0.012, "window": {"rounds": 13}}
+    window = {"rounds": 13, "round_order": "1f1b-ahead"}
+    solution = {"solver": "ga", "optimal": False, "gap": 0.012, "window": window}
     (tmp_path / "japsp-solution.json").write_text(json.dumps(solution))
     summary = TrainSummary(
         run_dir=str(tmp_path),
@@ -214,7 +215,8 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
     assert "each job's below), 1 samples/s (steady state)" in out  # the sentence unbroken
     assert (
         "job-array: 4 jobs, block order by the ga solver (within 1.2% of its lower bound), "
-        "windows of 13 iteration(s) with all jobs" in out
+        "windows of 13 iteration(s) with all jobs, in the 1F1B-one-step-ahead round order "
+        "(see japsp-solution.json)" in out
     )
     rows = {line.split()[1]: line for line in out.splitlines() if "│" in line}
     assert long in rows["1"]  # on one line, in full

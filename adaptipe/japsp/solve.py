@@ -227,7 +227,7 @@ def run_japsp_command(args: argparse.Namespace) -> int:
     )
     window = None
     if args.window != 1 or args.memory_budget:
-        from adaptipe.japsp.window import JITTER, best_window, expected_makespan
+        from adaptipe.japsp.window import JITTER, ROUND_ORDERS, best_window, expected_makespan
 
         round_orders, window = best_window(
             inst, result.orders, args.window, budget=args.memory_budget
@@ -242,6 +242,7 @@ def run_japsp_command(args: argparse.Namespace) -> int:
                 "per_iteration": window.makespan / window.rounds,
                 "jittered_makespan": jittered,
                 "rule": window.rule,
+                "round_order": window.order,
                 "round_orders": [[f"{k}{j}" for k, j in stage] for stage in round_orders],
                 "orders": window.to_json(),
             }
@@ -271,7 +272,8 @@ def run_japsp_command(args: argparse.Namespace) -> int:
             f"window of {window.rounds}: makespan {window.makespan:g}, {per:g} per iteration "
             f"({versus} one iteration at a time{unbudgeted}), rule {window.rule} "
             f"({_RULE_SAYS[window.rule]}); with block times spread by {100 * JITTER:.0f}%, "
-            f"{jittered / window.rounds:g} per iteration on average; round order:"
+            f"{jittered / window.rounds:g} per iteration on average; round order "
+            f"{ROUND_ORDERS[window.order]}:"
         )
         for s, stage in enumerate(round_orders):
             print(f"  stage {s}: " + " ".join(f"{k}{j}" for k, j in stage))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from adaptipe.errors import PlanError
@@ -34,6 +34,7 @@ __all__ = [
     "AUTO_WINDOW_MAX",
     "JITTER",
     "NEAR",
+    "ROUND_ORDERS",
     "RULES",
     "RoundBlock",
     "Window",
@@ -69,6 +70,17 @@ mean makespan with block times spread by `JITTER`."""
 _SAMPLES = 16  # draws per window; long windows get fewer (_REPLAY_WORK blocks in all, >= 4)
 _REPLAY_WORK = 100_000
 
+ROUND_ORDERS = {
+    "given": "the solver's",
+    "1f1b": "1F1B",
+    "1f1b-ahead": "1F1B-one-step-ahead",
+    "round-robin": "round-robin",
+    "gpipe": "GPipe",
+    "1f1b-capped": "1F1B-within-the-budget",
+    "gpipe-grouped": "GPipe-in-groups-of-the-budget",
+}
+"""The round orders `best_window` chooses among, and how to say them."""
+
 AUTO_WINDOW_MAX = 32
 """The longest window ``window = "auto"`` picks (a stop waits at most this long)."""
 
@@ -87,12 +99,14 @@ def auto_window(jobs: int, stages: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """Per-stage block orders of ``rounds`` rounds and their makespan by the block costs."""
+    """Per-stage block orders of ``rounds`` rounds and their makespan by the block costs;
+    ``order`` names the round order they unroll (a key of `ROUND_ORDERS`)."""
 
     rounds: int
     orders: tuple[tuple[RoundBlock, ...], ...]
     makespan: float
     rule: str
+    order: str = field(default="given", compare=False)
 
     def to_json(self) -> list[list[str]]:
         """Per stage, ``"F3.1"``: job 3's forward of round 1."""
@@ -203,16 +217,20 @@ def best_window(
         need = max(_in_flight(tab, seq) for seq in to_seqs(tab, cand))
         return max(0, need - budget) if budget > 0 else 0
 
-    candidates: list[Sequence[Sequence[object]]] = [orders]
+    candidates: list[tuple[str, Sequence[Sequence[object]]]] = [("given", orders)]
     if rounds > 1 or over(orders):
-        candidates.append(one_f_one_b_orders(inst).orders)
-        candidates.append(_one_step_ahead(inst.num_stages, inst.num_jobs))
-        candidates += [f(inst).orders for f in (round_robin_orders, gpipe_orders)]
-    if budget > 0 and all(over(cand) for cand in candidates):
-        candidates += _within_budget(inst.num_stages, inst.num_jobs, budget)
+        candidates += [
+            ("1f1b", one_f_one_b_orders(inst).orders),
+            ("1f1b-ahead", _one_step_ahead(inst.num_stages, inst.num_jobs)),
+            ("round-robin", round_robin_orders(inst).orders),
+            ("gpipe", gpipe_orders(inst).orders),
+        ]
+    if budget > 0 and all(over(cand) for _, cand in candidates):
+        capped, grouped = _within_budget(inst.num_stages, inst.num_jobs, budget)
+        candidates += [("1f1b-capped", capped), ("gpipe-grouped", grouped)]
     scored = [
-        (over(cand), window, cand)
-        for cand in candidates
+        (over(cand), replace(window, order=name), cand)
+        for name, cand in candidates
         for window in _unrolled(tab, cand, rounds, budget=budget)
     ]
     least = min(o for o, _, _ in scored)

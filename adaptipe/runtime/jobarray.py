@@ -112,6 +112,7 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
             "per_iteration": window.makespan / rounds,
             "jittered_makespan": expected_makespan(instance, window, jitter=JITTER),
             "rule": window.rule,
+            "round_order": window.order,
             "round_orders": [[f"{k}{j}" for k, j in stage] for stage in orders],
             "round_makespan": evaluate(instance, orders).makespan,
         }
