@@ -182,8 +182,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
-        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), new_file_mode())
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())

@@ -215,6 +215,9 @@ def test_auto_window_is_the_fewest_iterations_with_a_boundary_share_of_2_percent
     jobs: int, stages: int
 ) -> None:
     length = auto_window(jobs, stages)
+    if jobs == 1:  # a lone job's rounds cannot overlap: no window is worth a late stop
+        assert length == 1
+        return
     share = (stages - 1) / (length * jobs)  # one block of S - 1 stages per window boundary
     assert 1 <= length <= AUTO_WINDOW_MAX
     assert share <= 0.02 or length == AUTO_WINDOW_MAX
@@ -336,3 +339,17 @@ def test_late_blocks_cost_less_with_the_first_stage_one_forward_ahead() -> None:
     late = expected_makespan(inst, window, jitter=JITTER)
     assert late < late_one * 0.99
     assert late == pytest.approx(window.makespan, rel=0.005)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_a_lone_jobs_rounds_cannot_overlap(stages: int) -> None:
+    # Why auto windows are 1 for one job: its next forward on stage 0 waits for its own
+    # last backward there, so a window is its rounds one after another.
+    from adaptipe.japsp.instance import generate
+
+    for seed in range(3):
+        inst = generate(1, stages, seed=seed, comm=0.1, update=0.2)
+        one = solve(inst, solver="bb").makespan
+        _, window = best_window(inst, solve(inst, solver="bb").orders, 5)
+        assert window.makespan == pytest.approx(5 * one)
+    assert auto_window(1, stages) == 1

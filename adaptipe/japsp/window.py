@@ -27,7 +27,7 @@ from typing import Literal
 from adaptipe.errors import PlanError
 from adaptipe.japsp.evaluate import OpTable, Orders, checked_seqs, parse_block, to_seqs
 from adaptipe.japsp.instance import JapspInstance
-from adaptipe.schedule.onefoneb import add_transfers
+from adaptipe.schedule.onefoneb import ComputeOrder, add_transfers, one_f_one_b_order
 from adaptipe.schedule.types import Backward, Forward, OptimizerStep, Schedule
 
 __all__ = [
@@ -71,7 +71,7 @@ _SAMPLES = 16  # draws per window; long windows get fewer (_REPLAY_WORK blocks i
 _REPLAY_WORK = 100_000
 
 ROUND_ORDERS = {
-    "given": "the solver's",
+    "given": "the solver's own",
     "1f1b": "1F1B",
     "1f1b-ahead": "1F1B-one-step-ahead",
     "round-robin": "round-robin",
@@ -88,12 +88,16 @@ AUTO_WINDOW_MAX = 32
 def auto_window(jobs: int, stages: int) -> int:
     """Iterations per window for ``window = "auto"``: the fewest for which a boundary's
     fill and drain, about (S - 1) / (W x J) of the window, is at most 2%; 1 to 32.
+    One job gets 1: its next round waits for its own last backward, so rounds cannot
+    overlap and a longer window would only delay stop requests.
 
     The JAPSP window model agrees on 4 equal jobs over 2 stages, with block times
     measured in a run: 6% over the busiest stage's load at W = 4, 1.5% at 16.
     """
     if jobs < 1 or stages < 1:
         raise ValueError(f"auto_window: needs jobs >= 1 and stages >= 1 (got {jobs}, {stages})")
+    if jobs == 1:
+        return 1
     return max(1, min(AUTO_WINDOW_MAX, -(-50 * (stages - 1) // jobs)))
 
 
@@ -351,36 +355,27 @@ class _Jitter:
         return steps
 
 
-def _within_budget(stages: int, jobs: int, budget: int) -> list[list[list[tuple[str, int]]]]:
+def _within_budget(stages: int, jobs: int, budget: int) -> list[list[ComputeOrder]]:
     """Orders with at most ``budget`` jobs in flight on every stage: 1F1B whose warm-up
     runs at most ``budget - 1`` forwards, and GPipe over groups of ``budget`` jobs."""
-    capped = _one_f_one_b(stages, jobs, [min(stages - s - 1, budget - 1) for s in range(stages)])
-    grouped: list[tuple[str, int]] = []
+    capped = [
+        one_f_one_b_order(stages, jobs, s, warmup=min(stages - s - 1, budget - 1))
+        for s in range(stages)
+    ]
+    grouped: ComputeOrder = []
     for first in range(0, jobs, budget):
         group = range(first, min(first + budget, jobs))
         grouped += [("F", j) for j in group] + [("B", j) for j in group]
     return [capped, [list(grouped) for _ in range(stages)]]
 
 
-def _one_step_ahead(stages: int, jobs: int) -> list[list[tuple[str, int]]]:
+def _one_step_ahead(stages: int, jobs: int) -> list[ComputeOrder]:
     """1F1B with one more forward of warm-up on every stage but the last: the stage
     after it finds its next forward waiting even when a block runs late."""
-    return _one_f_one_b(stages, jobs, [stages - s if s < stages - 1 else 0 for s in range(stages)])
-
-
-def _one_f_one_b(stages: int, jobs: int, warm: Sequence[int]) -> list[list[tuple[str, int]]]:
-    """Per stage ``s``: ``warm[s]`` forwards (at most ``jobs``), then one forward (while
-    any is left) and one backward, in job order."""
-    orders = []
-    for s in range(stages):
-        ahead = min(warm[s], jobs)
-        order = [("F", j) for j in range(ahead)]
-        for b in range(jobs):
-            if ahead + b < jobs:
-                order.append(("F", ahead + b))
-            order.append(("B", b))
-        orders.append(order)
-    return orders
+    return [
+        one_f_one_b_order(stages, jobs, s, warmup=stages - s if s < stages - 1 else 0)
+        for s in range(stages)
+    ]
 
 
 class _Merge:

@@ -105,7 +105,7 @@ def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[s
     budget = config.sweep.memory_budget
     orders, window = best_window(instance, result.orders, rounds, budget=budget)
     if rounds > 1 or orders != result.orders:
-        meta.update(window=rounds, window_makespan=window.makespan)
+        meta.update(window=rounds, window_makespan=window.makespan, round_order=window.order)
         solution["window"] = {
             "rounds": rounds,
             "makespan": window.makespan,

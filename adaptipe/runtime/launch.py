@@ -547,7 +547,7 @@ def _run(
     summary = _summarise(run, follower.merged, start=start, wall=wall)
     if cfg.sweep is not None:
         summary = replace(summary, jobs=_rank_jobs(run))
-    write_json(run.summary, summary.to_json(), strict=True)
+    write_json(run.summary, summary.to_json())  # to_json: strict already
     return summary
 
 

@@ -288,7 +288,11 @@ def _train(
     # stop; the transport numbers transfers for the longest.
     stages = schedule.num_stages
     window = config.sweep.rounds(len(jobs), stages) if config.sweep is not None else 1
-    longest = config.sweep.rounds(1, stages) if config.sweep is not None else 1
+    longest = (
+        max(config.sweep.rounds(j, stages) for j in range(1, len(jobs) + 1))
+        if config.sweep is not None
+        else 1
+    )
     wire = wire_device(device, _backend(config, device))
     transport = P2PTransport(
         rank=rank,

@@ -103,13 +103,18 @@ def one_f_one_b_warmup(stages: int, microbatches: int, stage: int) -> int:
     return min(stages - stage - 1, microbatches)
 
 
-def one_f_one_b_order(stages: int, microbatches: int, stage: int) -> ComputeOrder:
+def one_f_one_b_order(
+    stages: int, microbatches: int, stage: int, *, warmup: int | None = None
+) -> ComputeOrder:
     """Worker ``stage``'s 1F1B order: warm-up forwards, (F, B) pairs, cool-down backwards.
 
     ``S - stage`` micro-batches are in flight in the steady state (``min`` with ``M``);
     this is the NOAM-limited order of PipeDream (ch. 2 §2.3.1) and of PipeDream-Flush.
+    ``warmup`` sets another number of warm-up forwards (at most ``M``).
     """
-    warmup = one_f_one_b_warmup(stages, microbatches, stage)
+    if warmup is None:
+        warmup = one_f_one_b_warmup(stages, microbatches, stage)
+    warmup = min(warmup, microbatches)
     order: ComputeOrder = [("F", mb) for mb in range(warmup)]
     for i in range(microbatches - warmup):
         order.append(("F", warmup + i))
