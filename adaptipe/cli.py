@@ -376,12 +376,31 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 "(see japsp-solution.json)",
                 soft_wrap=not out.is_terminal,
             )
+            after = _replans_said(Path(summary.run_dir), ROUND_ORDERS)
+            if after:
+                out.print(f"after stops: {after}", soft_wrap=not out.is_terminal)
         _print_ranking(out, summary.jobs)
     out.print(
         f"run directory: {summary.run_dir}"
         + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
     )
     return 0
+
+
+def _replans_said(run_dir: Path, names: dict[str, str]) -> str:
+    """The windows a job-array switched to after stops, in one line ("" when none)."""
+    from adaptipe.runtime.control import replans
+    from adaptipe.runtime.rundir import RunDir
+
+    parts = []
+    for row in replans(RunDir(run_dir)):
+        jobs = f"{row['jobs']} job" + ("s" if row["jobs"] != 1 else "")
+        order = names.get(row["round_order"], row["round_order"])
+        parts.append(
+            f"from iteration {row['iteration']}, windows of {row['window']} with {jobs} "
+            f"({order} round order)"
+        )
+    return "; ".join(parts)
 
 
 def _print_ranking(out: Any, jobs: list[dict[str, Any]]) -> None:

@@ -191,6 +191,18 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
     window = {"rounds": 13, "round_order": "1f1b-ahead"}
     solution = {"solver": "ga", "optimal": False, "gap": 0.012, "window": window}
     (tmp_path / "japsp-solution.json").write_text(json.dumps(solution))
+    control = tmp_path / "control"  # two switches after stops, as the workers record them
+    control.mkdir()
+    for version, iteration, active, meta in (
+        (2, 52, [0], {}),  # an older run's meta: windows of 1, the solver's order
+        (1, 40, [0, 1], {"window": 25, "round_order": "1f1b-ahead"}),
+    ):
+        (control / f"adopted-{version:04d}.json").write_text(
+            json.dumps({"version": version, "iteration": iteration})
+        )
+        (control / f"active-{version:04d}.json").write_text(
+            json.dumps({"jobs": active, "schedule": {"meta": meta}})
+        )
     summary = TrainSummary(
         run_dir=str(tmp_path),
         iterations=80,
@@ -218,6 +230,10 @@ def test_the_summary_tables_show_whole_names_and_how_each_job_stopped(
         "windows of 13 iteration(s) with all jobs, in the 1F1B-one-step-ahead round order "
         "(see japsp-solution.json)" in out
     )
+    assert (
+        "after stops: from iteration 40, windows of 25 with 2 jobs (1F1B-one-step-ahead round "
+        "order); from iteration 52, windows of 1 with 1 job (the solver's own round order)"
+    ) in out
     rows = {line.split()[1]: line for line in out.splitlines() if "│" in line}
     assert long in rows["1"]  # on one line, in full
     assert "│ -" in rows["1"]  # trained to the end

@@ -64,6 +64,7 @@ __all__ = [
     "mark_manager",
     "read_active",
     "remap_jobs",
+    "replans",
     "stop_jobs",
     "unadopted_stops",
 ]
@@ -161,6 +162,28 @@ def adoptions(run: RunDir) -> dict[int, int]:
             out[int(data["version"])] = int(data["iteration"])
         except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{path}: not an adoption record ({exc})") from None
+    return out
+
+
+def replans(run: RunDir) -> list[dict[str, Any]]:
+    """The switches the workers made, in order: ``{"iteration", "jobs" (how many train
+    on), "window" (iterations per full window), "round_order" (a key of
+    `adaptipe.japsp.window.ROUND_ORDERS`)}``, read from the run directory as written."""
+    out = []
+    for version, iteration in sorted(adoptions(run).items(), key=lambda item: item[1]):
+        path = _version_path(run, version)
+        try:
+            data = read_json(path)
+            meta = data["schedule"].get("meta", {})
+            row = {
+                "iteration": iteration,
+                "jobs": len(data["jobs"]),
+                "window": int(meta.get("window", 1)),
+                "round_order": str(meta.get("round_order", "given")),
+            }
+        except (OSError, PlanError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"{path}: not an active set ({exc})") from None
+        out.append(row)
     return out
 
 
