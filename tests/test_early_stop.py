@@ -28,7 +28,6 @@ from adaptipe.runtime import prepare, train
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.config import OptimizerSection, RunConfig
 from adaptipe.runtime.control import (
-    ActiveFollower,
     ActiveSet,
     JobController,
     _resolve_jobs,
@@ -42,6 +41,7 @@ from adaptipe.runtime.control import (
     remap_jobs,
     stop_jobs,
 )
+from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.launch import StageFailed
 from adaptipe.runtime.memory import MemoryManager, block_order
 from adaptipe.runtime.rundir import RunDir
@@ -368,7 +368,7 @@ def test_a_follower_never_goes_back_to_an_older_version(
 ) -> None:
     run, cfg = prepared
     controller = _controller(run, cfg, total=4)
-    follower = ActiveFollower(run, cfg, rank=0, total=4, device="cpu", wait_s=1.0)
+    follower = PlanFollower(run, cfg, rank=0, total=4, device="cpu", wait_s=1.0)
     first = follower.at_boundary(0)
     assert first is not None and first.version == 0 and follower.at_boundary(1) is None
     stop_jobs(run.root, [2])
@@ -397,7 +397,7 @@ def test_a_resumed_follower_replays_the_recorded_switches(
     stop_jobs(run.root, [0])
     controller.poll()
     assert current_version(run) == 2
-    follower = ActiveFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
+    follower = PlanFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
     assert follower.replay_edges(4) == {6} and follower.replay_edges(6) == set()
     got = follower.at_boundary(4)
     assert got is not None and got.version == 0
@@ -410,7 +410,7 @@ def test_a_resumed_follower_replays_the_recorded_switches(
     # Resumed past every recorded switch with active.json torn: the first boundary still
     # starts from the newest version recorded in force, never from version 0.
     (run.root / "control" / "active.json").write_text("{")
-    again = ActiveFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
+    again = PlanFollower(run, cfg, rank=0, total=12, device="cpu", wait_s=1.0)
     got = again.at_boundary(10)
     assert got is not None and got.version == 2
 

@@ -259,9 +259,9 @@ def test_tied_weights_are_parameters_not_buffers() -> None:
 def test_a_failed_offload_copy_is_raised_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     # On CPU the copies run on a thread: a failure there must not leave a job to load
     # from host buffers that were never written.
-    import adaptipe.runtime.memory as memory
+    import adaptipe.runtime.movers as movers
 
-    real, calls = memory._copy_all, []
+    real, calls = movers.copy_all, []
 
     def failing(pairs: list[tuple[Tensor, Tensor]]) -> None:
         calls.append(len(pairs))
@@ -269,7 +269,7 @@ def test_a_failed_offload_copy_is_raised_not_loaded(monkeypatch: pytest.MonkeyPa
             raise RuntimeError("host memory exhausted")
         real(pairs)
 
-    monkeypatch.setattr(memory, "_copy_all", failing)
+    monkeypatch.setattr(movers, "copy_all", failing)
     with pytest.raises(RuntimeError, match="host memory exhausted"):
         MemoryManager(_binder(), budget=2, device=CPU, order=ONE_F_ONE_B)
     binder = _binder()

@@ -27,32 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
+from adaptipe.runtime.slots import draws_random
 from adaptipe.runtime.sweep import JobSpec
 
 __all__ = ["Binder", "JobLayerState", "refuse_unbindable"]
-
-_DROPOUT = (
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-)
-
-
-def _random_draws(module: nn.Module) -> list[str]:
-    """The submodules of ``module`` that draw random numbers in training."""
-    found = []
-    for name, sub in module.named_modules():
-        label = name or type(sub).__name__
-        if isinstance(sub, _DROPOUT) and sub.p > 0:
-            found.append(f"{label} ({type(sub).__name__} p={sub.p:g})")
-        elif isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
-            found.append(f"{label} (MultiheadAttention dropout={sub.dropout:g})")
-        elif isinstance(sub, nn.RReLU):
-            found.append(f"{label} (RReLU)")
-    return found
 
 
 def refuse_unbindable(index: int, module: nn.Module) -> None:
@@ -66,7 +44,7 @@ def refuse_unbindable(index: int, module: nn.Module) -> None:
             "job-arrays hold per-job parameters and optimizer state only, so a [sweep] "
             "cannot train this model"
         )
-    random = _random_draws(module)
+    random = draws_random(module)
     if random:
         raise PlanError(
             f"layer {index} ({type(module).__name__}) draws random numbers in training "
@@ -101,20 +79,38 @@ class Binder:
         build_layer: Callable[[int, int], nn.Module],
         make_optimizer: Callable[[JobSpec, list[nn.Parameter]], torch.optim.Optimizer],
     ) -> None:
-        self.layers = list(layers)
+        self.layers: list[int] = []
         self.jobs = list(jobs)
         self.structures: dict[int, nn.Module] = {}
-        self.states: list[dict[int, JobLayerState]] = []
-        for job in self.jobs:
-            per_layer: dict[int, JobLayerState] = {}
-            for index in self.layers:
-                module = build_layer(index, job.seed)
+        self.states: list[dict[int, JobLayerState]] = [{} for _ in self.jobs]
+        self._build_layer = build_layer
+        self._make_optimizer = make_optimizer
+        self.add_layers(layers)
+
+    def add_layers(self, layers: Sequence[int]) -> None:
+        """Build ``layers`` for every job, as training it alone would (fresh state), and
+        keep the layer list in model order."""
+        for index in layers:
+            if index in self.structures:
+                raise ValueError(f"layer {index} is already bound on this stage")
+            for job, per_layer in zip(self.jobs, self.states, strict=True):
+                module = self._build_layer(index, job.seed)
                 refuse_unbindable(index, module)
                 params = dict(module.named_parameters())
-                opt = make_optimizer(job, list(params.values())) if params else None
+                opt = self._make_optimizer(job, list(params.values())) if params else None
                 per_layer[index] = JobLayerState(params=params, optimizer=opt)
                 self.structures.setdefault(index, module)  # job 0's module is the structure
-            self.states.append(per_layer)
+        self.layers = sorted([*self.layers, *layers])
+
+    def remove_layers(self, layers: Sequence[int]) -> None:
+        """Drop ``layers`` and every job's state of them from this stage."""
+        for index in layers:
+            if index not in self.structures:
+                raise ValueError(f"layer {index} is not bound on this stage ({self.layers})")
+            del self.structures[index]
+            for per_layer in self.states:
+                del per_layer[index]
+        self.layers = [i for i in self.layers if i not in set(layers)]
 
     @property
     def num_jobs(self) -> int:

@@ -3,7 +3,8 @@
 A job of a running array can be stopped by the user (``adaptipe stop RUN_DIR JOB`` or
 `stop_jobs`) or by successive halving on validation loss (``[sweep] halving_every``).
 Either way the manager re-plans the block order for the remaining jobs from the run's
-JAPSP instance (no re-profiling) and publishes a new *active set*; the workers adopt it
+JAPSP instance (no re-profiling) and commits a new plan version with the remaining jobs
+(`adaptipe.runtime.planversion`); the workers adopt it
 at the next window boundary (an iteration boundary where nothing is in flight; with
 ``[sweep] window = W`` at most W iterations later), without a restart. The
 remaining jobs' numerics are untouched: each job's state, data stream and optimizer
@@ -12,16 +13,13 @@ only ever see that job's blocks.
 Files under ``RUN_DIR/control/``::
 
     requests/stop-*.json   one per stop request: {"jobs": [...], "reason": ...}
-    active-NNNN.json       active set version N: jobs, stopped jobs, schedule (immutable)
-    active.json            {"version": N}: the newest version (the commit point)
-    adopted-NNNN.json      {"version": N, "iteration": I}: the workers switched to
-                           version N at the boundary before iteration I
+    active-*.json, adopted-*.json   plan versions and their adoption (planversion.py)
     rung-NNNNNN.json       successive halving decided at that iteration: {"version": N}
     manager.json           {"pid": P, "host": H} while `adaptipe train` manages the run
 
 Rank 0 reads ``active.json`` at each window boundary and broadcasts the version, so
-every worker switches at the same boundary; each then reads the immutable version
-file. At a halving rung rank 0 first waits for the manager's decision, which makes the
+every worker switches at the same boundary (`adaptipe.runtime.follower`); each then
+reads the immutable version file. At a halving rung rank 0 first waits for the manager's decision, which makes the
 set of survivors (and the iteration they are decided at) deterministic.
 
 A run resumed from a checkpoint replays the recorded switches: each version comes into
@@ -38,23 +36,32 @@ import socket
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
+from adaptipe.runtime.planversion import (
+    ActiveSet,
+    PlanVersion,
+    adoptions,
+    commit_plan,
+    current_version,
+    read_active,
+    remap_jobs,
+    replans,
+)
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.schedule.types import Instruction, Schedule
 from adaptipe.serial import read_json, write_json
 
 if TYPE_CHECKING:
     from adaptipe.runtime.config import RunConfig
 
 __all__ = [
-    "ActiveFollower",
     "ActiveSet",
     "JobController",
+    "PlanVersion",
     "adoptions",
     "array_jobs",
     "current_version",
@@ -65,126 +72,15 @@ __all__ = [
     "read_active",
     "remap_jobs",
     "replans",
+    "rung_decided",
     "stop_jobs",
     "unadopted_stops",
 ]
-
-ACTIVE_KIND = "active_set"
-ACTIVE_VERSION = 1
-
-
-@dataclass(frozen=True, slots=True)
-class ActiveSet:
-    """Which jobs of the array train, and the schedule that orders their blocks.
-
-    ``schedule`` numbers the active jobs 0..k-1 (it is an ordinary, validated job-array
-    schedule); ``jobs[i]`` is the sweep index of its job ``i``. `global_schedule` gives
-    the same instruction lists with sweep indices, which is what the workers execute.
-    """
-
-    version: int
-    jobs: tuple[int, ...]
-    schedule: Schedule
-    stopped: dict[int, dict[str, Any]] = field(default_factory=dict)  # job -> why, when
-
-    def global_schedule(self, num_jobs: int) -> Schedule:
-        return remap_jobs(self.schedule, self.jobs, num_jobs)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": ACTIVE_KIND,
-            "version": ACTIVE_VERSION,
-            "active_version": self.version,
-            "jobs": list(self.jobs),
-            "stopped": {str(j): info for j, info in sorted(self.stopped.items())},
-            "schedule": self.schedule.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, data: Any, *, source: str = "active set") -> ActiveSet:
-        if not isinstance(data, dict) or data.get("kind") != ACTIVE_KIND:
-            raise PlanError(f"{source}: not an active-set file")
-        try:
-            jobs = tuple(int(j) for j in data["jobs"])
-            stopped = {int(j): dict(v) for j, v in data.get("stopped", {}).items()}
-            version = int(data["active_version"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"{source}: malformed active set ({exc})") from None
-        schedule = Schedule.from_json(data["schedule"], source=f"{source}: schedule")
-        if schedule.num_jobs != len(jobs):
-            raise PlanError(
-                f"{source}: the schedule has {schedule.num_jobs} jobs but {len(jobs)} are active"
-            )
-        return cls(version=version, jobs=jobs, schedule=schedule, stopped=stopped)
-
-
-def remap_jobs(schedule: Schedule, jobs: Sequence[int], num_jobs: int) -> Schedule:
-    """``schedule`` with its job ``i`` renamed ``jobs[i]``, in an array of ``num_jobs``.
-
-    The result is for execution only: jobs not in ``jobs`` have no instructions, which
-    the validator (it checks every job of ``num_jobs``) would rightly reject.
-    """
-    if len(jobs) != schedule.num_jobs or len(set(jobs)) != len(jobs):
-        raise PlanError(f"remap_jobs: {list(jobs)} must name {schedule.num_jobs} distinct jobs")
-    if any(not 0 <= j < num_jobs for j in jobs):
-        raise PlanError(f"remap_jobs: jobs {list(jobs)} must lie in 0..{num_jobs - 1}")
-
-    def rename(ins: Instruction) -> Instruction:
-        return replace(ins, job=jobs[ins.job])
-
-    return replace(
-        schedule,
-        num_jobs=num_jobs,
-        stages=tuple(tuple(rename(i) for i in stage) for stage in schedule.stages),
-        meta={**schedule.meta, "jobs": list(jobs)},
-    )
 
 
 # ---------------------------------------------------------------------- files
 def _control(run: RunDir) -> Path:
     return run.root / "control"
-
-
-def _version_path(run: RunDir, version: int) -> Path:
-    return _control(run) / f"active-{version:04d}.json"
-
-
-def _adopted_path(run: RunDir, version: int) -> Path:
-    return _control(run) / f"adopted-{version:04d}.json"
-
-
-def adoptions(run: RunDir) -> dict[int, int]:
-    """``{version: iteration}``: when the workers switched to each version (not 0)."""
-    out: dict[int, int] = {}
-    for path in sorted(_control(run).glob("adopted-*.json")):
-        try:
-            data = read_json(path)
-            out[int(data["version"])] = int(data["iteration"])
-        except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
-            raise PlanError(f"{path}: not an adoption record ({exc})") from None
-    return out
-
-
-def replans(run: RunDir) -> list[dict[str, Any]]:
-    """The switches the workers made, in order: ``{"iteration", "jobs" (how many train
-    on), "window" (iterations per full window), "round_order" (a key of
-    `adaptipe.japsp.window.ROUND_ORDERS`)}``, read from the run directory as written."""
-    out = []
-    for version, iteration in sorted(adoptions(run).items(), key=lambda item: item[1]):
-        path = _version_path(run, version)
-        try:
-            data = read_json(path)
-            meta = data["schedule"].get("meta", {})
-            row = {
-                "iteration": iteration,
-                "jobs": len(data["jobs"]),
-                "window": int(meta.get("window", 1)),
-                "round_order": str(meta.get("round_order", "given")),
-            }
-        except (OSError, PlanError, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PlanError(f"{path}: not an active set ({exc})") from None
-        out.append(row)
-    return out
 
 
 def unadopted_stops(run: RunDir, config: RunConfig | None = None) -> dict[int, dict[str, Any]]:
@@ -231,25 +127,6 @@ def manager_running(run: RunDir) -> bool | None:
 
 def _rung_path(run: RunDir, iteration: int) -> Path:
     return _control(run) / f"rung-{iteration:06d}.json"
-
-
-def current_version(run: RunDir) -> int:
-    """The newest committed active-set version (0: the run's initial schedule)."""
-    try:
-        return int(read_json(_control(run) / "active.json")["version"])
-    except (OSError, PlanError, KeyError, TypeError, ValueError):
-        return 0
-
-
-def read_active(run: RunDir, version: int, config: RunConfig | None = None) -> ActiveSet:
-    """Active-set ``version``; version 0 is every job with the run's ``schedule.json``."""
-    if version == 0:
-        config = config if config is not None else run.read_config()
-        return ActiveSet(
-            version=0, jobs=tuple(range(len(config.jobs))), schedule=run.read_schedule()
-        )
-    path = _version_path(run, version)
-    return ActiveSet.from_json(read_json(path), source=str(path))
 
 
 def rung_decided(run: RunDir, iteration: int) -> int | None:
@@ -462,6 +339,9 @@ class JobController:
     ) -> list[dict[str, Any]]:
         from adaptipe.runtime.jobarray import plan_active
 
+        newest = current_version(self.run)  # a plan committed by another hand (a partition)
+        if newest != self.version:
+            self.version, self.active = newest, read_active(self.run, newest, self.config)
         gone = [j for j in dict.fromkeys(jobs) if j in self.active.jobs]
         remaining = [j for j in self.active.jobs if j not in gone]
         if not gone:
@@ -475,12 +355,12 @@ class JobController:
             if losses is not None and j in losses:
                 info["val_loss"] = losses[j]
             stopped[j] = info
-        version = self.version + 1
-        active = ActiveSet(
-            version=version, jobs=tuple(remaining), schedule=schedule, stopped=stopped
+        # The new version keeps what the current one says of the partition and window.
+        active = commit_plan(
+            self.run,
+            replace(self.active, jobs=tuple(remaining), schedule=schedule, stopped=stopped),
         )
-        write_json(_version_path(self.run, version), active.to_json(), strict=True)
-        write_json(_control(self.run) / "active.json", {"version": version})
+        version = active.version
         self.version, self.active = version, active
         return [
             {
@@ -492,77 +372,3 @@ class JobController:
                 "makespan": schedule.meta.get("makespan"),
             }
         ]
-
-
-# ---------------------------------------------------------------------- workers
-class ActiveFollower:
-    """A worker's side: agree on the active set at each window boundary.
-
-    Rank 0 reads the newest version (at a halving rung it first waits for the
-    manager's decision) and broadcasts it; every rank then reads that version's
-    immutable file. `at_boundary` returns the new `ActiveSet` when it changed.
-    """
-
-    def __init__(
-        self,
-        run: RunDir,
-        config: RunConfig,
-        *,
-        rank: int,
-        total: int,
-        device: Any,
-        wait_s: float,
-        poll_s: float = 0.02,
-    ) -> None:
-        self.run, self.config, self.rank, self.total = run, config, rank, total
-        self.device = device
-        self.wait_s, self.poll_s = wait_s, poll_s
-        self.active: ActiveSet | None = None
-        # Switches made before (a resumed run replays them); rank 0 adds new ones.
-        self.history = adoptions(run)
-
-    def replay_edges(self, start: int) -> set[int]:
-        """Iterations after ``start`` where a recorded switch happens (windows end there)."""
-        return {it for it in self.history.values() if it > start}
-
-    def at_boundary(self, iteration: int) -> ActiveSet | None:
-        import torch
-        import torch.distributed as dist
-
-        version = -1
-        if self.rank == 0:
-            # the newest version recorded in force by now (this run's or an earlier one's)
-            recorded = max((v for v, it in self.history.items() if it <= iteration), default=0)
-            if any(it >= iteration for it in self.history.values()):  # replaying
-                version = recorded
-            else:
-                many = self.active is None or len(self.active.jobs) > 1
-                if many and is_rung(self.config, iteration, self.total):
-                    self._wait_for_rung(iteration)
-                # Versions only go forward: a torn active.json reads as 0.
-                version = max(current_version(self.run), recorded)
-                if self.active is not None:
-                    version = max(version, self.active.version)
-        box = torch.tensor([version], dtype=torch.int64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(box, src=0)
-        version = int(box.item())
-        if self.active is not None and version == self.active.version:
-            return None
-        if self.rank == 0 and version > 0 and version not in self.history:
-            write_json(
-                _adopted_path(self.run, version), {"version": version, "iteration": iteration}
-            )
-            self.history[version] = iteration
-        self.active = read_active(self.run, version, self.config)
-        return self.active
-
-    def _wait_for_rung(self, iteration: int) -> None:
-        deadline = time.monotonic() + self.wait_s
-        while rung_decided(self.run, iteration) is None:
-            if time.monotonic() > deadline:
-                raise PlanError(
-                    f"successive halving: no decision for iteration {iteration} from the "
-                    f"manager within {self.wait_s:.0f} s (is `adaptipe train` still running?)"
-                )
-            time.sleep(self.poll_s)

@@ -1,9 +1,10 @@
 """A stage worker's executor: one loop over its instruction list.
 
 A stage holds an ordered list of **layer slots** per local chunk (virtual stage), each
-with its own module and optimizer (DESIGN.md, "shape of a stage"), so that layers can
-later be taken off one end of a stage and travel with their state. Forward and
-backward run over the slots of a chunk in order.
+with its own module, optimizer and random stream (`adaptipe.runtime.slots`), so that
+layers can be taken off one end of a stage and travel with their state
+(`adaptipe.runtime.stagestate.Stage`). Forward and backward run over the slots of a
+chunk in order.
 
 Weights: synchronous schedules use the live parameters directly (one version, the
 step after the flush). Asynchronous schedules (PipeDream weight stashing, vertical
@@ -26,13 +27,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import functional_call
 
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.memory import MemoryManager
+from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.trace import TraceRecorder
-from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
+from adaptipe.runtime.transport import ACTIVATION, GRADIENT, TensorSpec, TransferKey, Transport
 from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.schedule.types import (
     Backward,
@@ -51,15 +53,6 @@ __all__ = ["IterationStats", "LayerSlot", "MicroBatches", "StageExecutor"]
 
 MicroBatches = Sequence[tuple[Tensor | None, Tensor | None]]
 """One job's ``(input, target)`` per micro-batch; read when a block first needs one."""
-
-
-@dataclass(slots=True)
-class LayerSlot:
-    """One model layer on this stage: its module and its optimizer."""
-
-    index: int
-    module: nn.Module
-    optimizer: torch.optim.Optimizer | None  # None for a layer without parameters
 
 
 @dataclass(slots=True)
@@ -95,6 +88,22 @@ class _Stashed:
     params: list[dict[str, Tensor]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Iteration:
+    """What one run of the instruction list holds between its instructions."""
+
+    base: int  # the weight version when the iteration began
+    microbatches: Sequence[MicroBatches]
+    stats: IterationStats = field(default_factory=IterationStats)
+    inputs: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    stash: dict[tuple[int, int, int], _Stashed] = field(default_factory=dict)
+    grads_out: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    received_grads: dict[tuple[int, int, int], Tensor] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    compute: float = 0.0
+
+
 class StageExecutor:
     """Executes one worker's instruction lists, iteration after iteration.
 
@@ -122,7 +131,7 @@ class StageExecutor:
         chunks: list[list[LayerSlot]],
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         loss_scale: float,
-        transport: P2PTransport,
+        transport: Transport,
         boundary_specs: dict[tuple[int, int], TensorSpec],
         binder: Binder | None = None,
         memory: MemoryManager | None = None,
@@ -154,6 +163,7 @@ class StageExecutor:
         self.num_vstages = schedule.num_virtual_stages
         self.versioned = schedule.weights != "sync"
         self.steps_done = 0  # optimizer steps applied so far (global weight version)
+        self._draw_step = 0  # steps_done when the running iteration began (random draws)
         self._snapshots: dict[int, list[list[dict[str, Tensor]]]] = {}
         self._receives = self._plan_receives() if boundary_specs else []
         self._layer_fwd: dict[int, float] = {}
@@ -232,18 +242,29 @@ class StageExecutor:
         return out
 
     def _run(
-        self, job: int, chunk: int, x: Tensor, params: list[dict[str, Tensor]] | None
+        self,
+        job: int,
+        chunk: int,
+        x: Tensor,
+        params: list[dict[str, Tensor]] | None,
+        microbatch: int = 0,
     ) -> Tensor:
-        """Forward through a chunk's layers, timing each (job-arrays through the binder)."""
+        """Forward through a chunk's layers, timing each (job-arrays through the binder).
+
+        A layer that draws random numbers draws them from its own stream for (step, job,
+        micro-batch), so a recomputed forward draws what the first one drew.
+        """
         times = self._layer_fwd
         for i, slot in enumerate(self.chunks[chunk]):
             t0 = time.perf_counter()
             if self.binder is not None:
                 x = self.binder.run(job, (slot.index,), x)
-            elif params is None:
-                x = slot.module(x)
             else:
-                x = functional_call(slot.module, params[i], (x,))
+                with slot.draws(self._draw_step, job, microbatch, x.device):
+                    if params is None:
+                        x = slot.module(x)
+                    else:
+                        x = functional_call(slot.module, params[i], (x,))
             times[slot.index] = times.get(slot.index, 0.0) + time.perf_counter() - t0
         return x
 
@@ -280,7 +301,6 @@ class StageExecutor:
             microbatches: per job, per micro-batch ``(input, target)``; input is used by
                 the worker holding virtual stage 0, target by the one holding the last.
         """
-        stats = IterationStats()
         t_start = time.perf_counter()
         transport = self.transport
         transport.start_iteration(iteration, self._receives)
@@ -288,122 +308,34 @@ class StageExecutor:
             self.memory.begin_iteration()
         # Asynchronous windows drain completely, so version 0 of this window's
         # instructions is whatever the weights are now.
-        base = self.steps_done
-        inputs: dict[tuple[int, int, int], Tensor] = {}
-        stash: dict[tuple[int, int, int], _Stashed] = {}
-        grads_out: dict[tuple[int, int, int], Tensor] = {}
-        outputs: dict[tuple[int, int, int], Tensor] = {}
-        received_grads: dict[tuple[int, int, int], Tensor] = {}
-        losses: dict[int, float] = {}
+        it = _Iteration(base=self.steps_done, microbatches=microbatches)
+        self._draw_step = it.base
         self._layer_fwd = {}
         self._layer_bwd = {}
-        recompute = self.schedule.recompute
-        last_vstage = self.num_vstages - 1
-        compute = 0.0
-
         self._wgrad.clear()
         with self._deferring():
             for pos, ins in enumerate(self.program):
                 match ins:
                     case RecvActivation(job=j, microbatch=m, chunk=c):
-                        inputs[(j, m, c)] = transport.recv(
-                            TransferKey(j, m, self._vstage(c), ACTIVATION)
-                        )
+                        key = TransferKey(j, m, self._vstage(c), ACTIVATION)
+                        it.inputs[(j, m, c)] = transport.recv(key)
                     case RecvGradient(job=j, microbatch=m, chunk=c):
-                        received_grads[(j, m, c)] = transport.recv(
-                            TransferKey(j, m, self._vstage(c) + 1, GRADIENT)
-                        )
+                        key = TransferKey(j, m, self._vstage(c) + 1, GRADIENT)
+                        it.received_grads[(j, m, c)] = transport.recv(key)
                     case SendActivation(job=j, microbatch=m, chunk=c, peer=p):
-                        transport.send(
-                            outputs.pop((j, m, c)),
-                            p,
-                            TransferKey(j, m, self._vstage(c) + 1, ACTIVATION),
-                        )
+                        key = TransferKey(j, m, self._vstage(c) + 1, ACTIVATION)
+                        transport.send(it.outputs.pop((j, m, c)), p, key)
                     case SendGradient(job=j, microbatch=m, chunk=c, peer=p):
-                        transport.send(
-                            grads_out.pop((j, m, c)),
-                            p,
-                            TransferKey(j, m, self._vstage(c), GRADIENT),
-                        )
-                    case Forward(job=j, microbatch=m, chunk=c, version=v):
-                        if self.memory is not None:
-                            self.memory.before_block(j)
-                        key = (j, m, c)
-                        g = self._vstage(c)
-                        # Reading the data is not the block's compute (a feed may load it now).
-                        x = microbatches[j][m][0] if g == 0 else inputs.pop(key)
-                        target = microbatches[j][m][1] if g == last_vstage else None
-                        assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
-                        t0 = time.perf_counter()
-                        if x.is_floating_point() and g > 0:
-                            x.requires_grad_(True)
-                        params = self._snapshot(base + v)[c] if self.versioned else None
-                        with torch.set_grad_enabled(not recompute):
-                            out = self._run(j, c, x, params)
-                            if g == last_vstage:
-                                assert target is not None, (
-                                    f"stage {self.stage}: no target for micro-batch {m}"
-                                )
-                                loss = self.loss_fn(out, target)
-                                value = float(loss.detach())
-                                losses[j] = losses.get(j, 0.0) + value
-                                stats.microbatch_losses[(j, m)] = value
-                                out = loss * self.loss_scale
-                            else:
-                                outputs[key] = out.detach()
-                        stash[key] = _Stashed(
-                            inp=x, out=None if recompute else out, version=base + v
-                        )
-                        stats.max_in_flight = max(stats.max_in_flight, len(stash))
-                        compute += self._done("forward", j, m, c, t0)
-                    case Recompute(job=j, microbatch=m, chunk=c):
-                        if self.memory is not None:
-                            self.memory.before_block(j)
-                        st = stash[(j, m, c)]
-                        g = self._vstage(c)
-                        target = microbatches[j][m][1] if g == last_vstage else None
-                        t0 = time.perf_counter()
-                        params = self._snapshot(st.version)[c] if self.versioned else None
-                        with torch.enable_grad():
-                            out = self._run(j, c, st.inp, params)
-                            if g == last_vstage:
-                                assert target is not None
-                                out = self.loss_fn(out, target) * self.loss_scale
-                        st.out = out
-                        compute += self._done("recompute", j, m, c, t0)
-                    case Backward(job=j, microbatch=m, chunk=c):
-                        if self.memory is not None:
-                            self.memory.before_block(j)
-                        t0 = time.perf_counter()
-                        key = (j, m, c)
-                        st = stash.pop(key)
-                        assert st.out is not None, (
-                            f"stage {self.stage}: backward of {key} before its forward/recompute"
-                        )
-                        g = self._vstage(c)
-                        if g == last_vstage:
-                            torch.autograd.backward(st.out)
-                        else:
-                            torch.autograd.backward(st.out, received_grads.pop(key))
-                        if g > 0 and st.inp.grad is not None:
-                            grads_out[key] = st.inp.grad
-                        if self.versioned:
-                            self._move_grads(c, self._snapshots[st.version][c])
-                        elapsed = time.perf_counter() - t0
-                        self._split_backward(self.chunk_layers[c], elapsed)
-                        compute += self._done("backward", j, m, c, t0, elapsed)
-                    case OptimizerStep(job=j) if self.binder is not None:
-                        t0 = time.perf_counter()
-                        self.binder.step(j)
-                        compute += self._done("step", j, -1, -1, t0)
-                        if self.memory is not None:
-                            self.memory.after_step(j)
+                        key = TransferKey(j, m, self._vstage(c), GRADIENT)
+                        transport.send(it.grads_out.pop((j, m, c)), p, key)
+                    case Forward():
+                        it.compute += self._forward(ins, it)
+                    case Recompute():
+                        it.compute += self._recompute(ins, it)
+                    case Backward():
+                        it.compute += self._backward(ins, it)
                     case OptimizerStep():
-                        t0 = time.perf_counter()
-                        if self.batch_weight_grads:
-                            self._flush_weight_grads()
-                        self._step(pos, base)
-                        compute += self._done("step", ins.job, -1, -1, t0)
+                        it.compute += self._optimizer_step(ins, pos, it.base)
         if len(self._wgrad):
             raise RuntimeError(
                 f"stage {self.stage}: {len(self._wgrad)} deferred weight gradients were never "
@@ -411,13 +343,103 @@ class StageExecutor:
             )
         transport.flush()
         self._snapshots.clear()
+        return self._finish(it, t_start)
+
+    def _forward(self, ins: Forward, it: _Iteration) -> float:
+        j, m, c = ins.job, ins.microbatch, ins.chunk
+        if self.memory is not None:
+            self.memory.before_block(j)
+        key = (j, m, c)
+        g = self._vstage(c)
+        last = g == self.num_vstages - 1
+        # Reading the data is not the block's compute (a feed may load it now).
+        x = it.microbatches[j][m][0] if g == 0 else it.inputs.pop(key)
+        target = it.microbatches[j][m][1] if last else None
+        assert x is not None, f"stage {self.stage}: no input for micro-batch {m}"
+        t0 = time.perf_counter()
+        if x.is_floating_point() and g > 0:
+            x.requires_grad_(True)
+        params = self._snapshot(it.base + ins.version)[c] if self.versioned else None
+        recompute = self.schedule.recompute
+        with torch.set_grad_enabled(not recompute):
+            out = self._run(j, c, x, params, m)
+            if last:
+                assert target is not None, f"stage {self.stage}: no target for micro-batch {m}"
+                loss = self.loss_fn(out, target)
+                value = float(loss.detach())
+                it.losses[j] = it.losses.get(j, 0.0) + value
+                it.stats.microbatch_losses[(j, m)] = value
+                out = loss * self.loss_scale
+            else:
+                it.outputs[key] = out.detach()
+        it.stash[key] = _Stashed(
+            inp=x, out=None if recompute else out, version=it.base + ins.version
+        )
+        it.stats.max_in_flight = max(it.stats.max_in_flight, len(it.stash))
+        return self._done("forward", j, m, c, t0)
+
+    def _recompute(self, ins: Recompute, it: _Iteration) -> float:
+        j, m, c = ins.job, ins.microbatch, ins.chunk
+        if self.memory is not None:
+            self.memory.before_block(j)
+        st = it.stash[(j, m, c)]
+        last = self._vstage(c) == self.num_vstages - 1
+        target = it.microbatches[j][m][1] if last else None
+        t0 = time.perf_counter()
+        params = self._snapshot(st.version)[c] if self.versioned else None
+        with torch.enable_grad():
+            out = self._run(j, c, st.inp, params, m)
+            if last:
+                assert target is not None
+                out = self.loss_fn(out, target) * self.loss_scale
+        st.out = out
+        return self._done("recompute", j, m, c, t0)
+
+    def _backward(self, ins: Backward, it: _Iteration) -> float:
+        j, m, c = ins.job, ins.microbatch, ins.chunk
+        if self.memory is not None:
+            self.memory.before_block(j)
+        t0 = time.perf_counter()
+        key = (j, m, c)
+        st = it.stash.pop(key)
+        assert st.out is not None, (
+            f"stage {self.stage}: backward of {key} before its forward/recompute"
+        )
+        g = self._vstage(c)
+        if g == self.num_vstages - 1:
+            torch.autograd.backward(st.out)
+        else:
+            torch.autograd.backward(st.out, it.received_grads.pop(key))
+        if g > 0 and st.inp.grad is not None:
+            it.grads_out[key] = st.inp.grad
+        if self.versioned:
+            self._move_grads(c, self._snapshots[st.version][c])
+        elapsed = time.perf_counter() - t0
+        self._split_backward(self.chunk_layers[c], elapsed)
+        return self._done("backward", j, m, c, t0, elapsed)
+
+    def _optimizer_step(self, ins: OptimizerStep, pos: int, base: int) -> float:
+        t0 = time.perf_counter()
+        if self.binder is not None:
+            self.binder.step(ins.job)
+            spent = self._done("step", ins.job, -1, -1, t0)
+            if self.memory is not None:
+                self.memory.after_step(ins.job)
+            return spent
+        if self.batch_weight_grads:
+            self._flush_weight_grads()
+        self._step(pos, base)
+        return self._done("step", ins.job, -1, -1, t0)
+
+    def _finish(self, it: _Iteration, t_start: float) -> IterationStats:
+        stats = it.stats
         if self.memory is not None:
             stats.resident_jobs, stats.state_wait_s, stats.state_misses = self.memory.take_window()
         elif self.binder is not None:
             stats.resident_jobs = self.binder.num_jobs
-        stats.wait_s, stats.comm_s = transport.take_times()
-        stats.compute_s = compute
-        stats.losses = losses
+        stats.wait_s, stats.comm_s = self.transport.take_times()
+        stats.compute_s = it.compute
+        stats.losses = losses = it.losses
         stats.layer_forward_s = self._layer_fwd
         stats.layer_backward_s = self._layer_bwd
         # The mean over jobs of each job's mean micro-batch loss (over a window's rounds too).

@@ -1,70 +1,309 @@
-"""A worker's layer state: building it, and saving/loading it under global keys.
+"""A worker's stage: the layer slots it owns, the state behind them, and its executor.
 
-One job keeps its parameters in the slots' modules (keys ``layers.{i}.*``). A job-array
-keeps one public structure per layer and per-job states in a `Binder` (keys
-``jobs.{j}.layers.{i}.*``). Keys name global layer indices, so a checkpoint loads under
-any partition.
+One job keeps its parameters in the slots' modules (keys ``layers.{i}.*``,
+``optim.{i}.*``). A job-array keeps one public structure per layer and per-job states in
+a `Binder` (keys ``jobs.{j}.layers.{i}.*``). Keys name global layer indices, so a
+checkpoint loads under any partition, and a layer's state can leave one stage and join
+another: `Stage.detach` takes slots off either end and returns their whole state
+(parameters, optimizer state with its step count) as safetensors bytes that share no
+storage with the stage; `Stage.attach` builds the layers on the receiving stage and
+loads that state; `Stage.build_executor` rebuilds the executor (instruction list,
+receives, boundary shapes, the memory manager's view) for the new partition, in the
+same process. Training on is then bitwise what it would have been unmoved: each layer
+is built from (seed, layer), steps its own optimizer and draws from its own random
+stream (`adaptipe.runtime.slots`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
+import safetensors.torch
 import torch
 from torch import Tensor
 
 import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import PlanError
 from adaptipe.models import ModelSpec
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.config import RunConfig
-from adaptipe.runtime.memory import MemoryManager
-from adaptipe.runtime.stage import LayerSlot
+from adaptipe.runtime.data import loss_scale as default_loss_scale
+from adaptipe.runtime.memory import MemoryManager, block_order
+from adaptipe.runtime.slots import LayerSlot
+from adaptipe.runtime.stage import StageExecutor
+from adaptipe.runtime.transport import TensorSpec, Transport
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["StageState", "build_stage"]
+__all__ = ["End", "Stage", "StageState", "build_stage", "payload_layers"]
+
+End = Literal["first", "last"]
+_KIND = "adaptipe.layer_slots"
 
 
-class StageState:
-    """The slots of each local chunk and, for a job-array, the binder behind them."""
+class Stage:
+    """One worker's layer slots (per local chunk), the binder behind them for a
+    job-array, the optimizer steps done and the executor built from them.
 
-    def __init__(self, chunks: list[list[LayerSlot]], binder: Binder | None) -> None:
+    Build one with `build_stage`.
+    """
+
+    def __init__(
+        self,
+        *,
+        spec: ModelSpec,
+        config: RunConfig,
+        device: torch.device,
+        rank: int,
+        chunks: list[list[LayerSlot]],
+        binder: Binder | None,
+    ) -> None:
+        self.spec = spec
+        self.config = config
+        self.device = device
+        self.rank = rank
         self.chunks = chunks
         self.binder = binder
         self.memory: MemoryManager | None = None  # set when job states are offloaded
+        self.executor: StageExecutor | None = None
+        self._resumed_steps = 0  # steps done before this process (a resumed run)
+        self._memory_layers: list[int] = []  # the layers the memory manager was built for
 
+    # ------------------------------------------------------------------ state
     def layers(self) -> list[int]:
         return [slot.index for chunk in self.chunks for slot in chunk]
 
-    def tensors(self) -> dict[str, Tensor]:
-        """Every parameter and optimizer state of this stage, under global keys."""
+    @property
+    def steps_done(self) -> int:
+        return self.executor.steps_done if self.executor is not None else self._resumed_steps
+
+    def resume_steps(self, steps: int) -> None:
+        """Continue from ``steps`` optimizer steps done (a checkpoint's count)."""
+        self._resumed_steps = steps
+        if self.executor is not None:
+            self.executor.steps_done = steps
+
+    def tensors(self, layers: Sequence[int] | None = None) -> dict[str, Tensor]:
+        """Every parameter and optimizer state of this stage (or of ``layers``), under
+        global keys, as CPU copies."""
+        wanted = self.layers() if layers is None else list(layers)
         out: dict[str, Tensor] = {}
         if self.binder is None:
-            for chunk in self.chunks:
-                for slot in chunk:
+            for slot in self._slots():
+                if slot.index in wanted:
                     out.update(ckpt.layer_state(slot.index, slot.module, slot.optimizer))
             return out
         for job in range(self.binder.num_jobs):
-            for index in self.layers():
+            for index in wanted:
                 module, opt = self.binder.state(job, index)
                 out.update(
                     {f"jobs.{job}.{k}": v for k, v in ckpt.layer_state(index, module, opt).items()}
                 )
         return out
 
-    def load(self, tensors: Mapping[str, Tensor]) -> None:
-        """Restore this stage's layers (and optimizer states) from global keys."""
+    def load(self, tensors: Mapping[str, Tensor], layers: Sequence[int] | None = None) -> None:
+        """Restore this stage's layers (or ``layers``) and optimizer states from global keys."""
+        wanted = self.layers() if layers is None else list(layers)
         if self.binder is None:
-            for chunk in self.chunks:
-                for slot in chunk:
+            for slot in self._slots():
+                if slot.index in wanted:
                     ckpt.load_layer_state(slot.index, slot.module, slot.optimizer, tensors)
             return
         for job in range(self.binder.num_jobs):
             prefix = f"jobs.{job}."
             mine = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-            for index in self.layers():
+            for index in wanted:
                 module, opt = self.binder.state(job, index)
                 ckpt.load_layer_state(index, module, opt, mine)
+
+    # ------------------------------------------------------------------ moving slots
+    def detach(self, *, end: End, count: int = 1) -> bytes:
+        """Take ``count`` layers off ``end`` of this stage; return their whole state.
+
+        The bytes are a safetensors file (global keys; metadata names the layers), so
+        they share no storage with this stage and can cross a process or a host.
+        """
+        chunk = self._only_chunk("detach")
+        if not 0 < count < len(chunk):
+            raise PlanError(
+                f"stage {self.rank}: cannot detach {count} of its {len(chunk)} layers "
+                "(a stage keeps at least one layer)"
+            )
+        self._settle_memory()
+        cut = slice(0, count) if end == "first" else slice(len(chunk) - count, len(chunk))
+        indices = [slot.index for slot in chunk[cut]]
+        payload = _pack(self.tensors(indices), indices, self._num_jobs())
+        del chunk[cut]
+        if self.binder is not None:
+            self.binder.remove_layers(indices)
+        return payload
+
+    def attach(self, payload: bytes, *, end: End) -> list[int]:
+        """Add the layers of a `detach` payload at ``end`` of this stage; return them."""
+        indices, num_jobs = payload_layers(payload)
+        if num_jobs != self._num_jobs():
+            raise PlanError(
+                f"stage {self.rank}: the payload holds {num_jobs or 1} job(s)' state, "
+                f"this stage trains {self._num_jobs() or 1}"
+            )
+        self.attach_tensors(safetensors.torch.load(payload), indices, end=end)
+        return indices
+
+    def attach_tensors(
+        self, tensors: Mapping[str, Tensor], layers: Sequence[int], *, end: End
+    ) -> None:
+        """Build ``layers`` at ``end`` of this stage and load their state from ``tensors``
+        (global keys, as `tensors` or a checkpoint holds them)."""
+        chunk = self._only_chunk("attach")
+        indices = list(layers)
+        here = [slot.index for slot in chunk]
+        joins = indices[-1] + 1 == here[0] if end == "first" else here[-1] + 1 == indices[0]
+        if indices != list(range(indices[0], indices[0] + len(indices))) or not joins:
+            raise PlanError(
+                f"stage {self.rank}: layers {indices} do not join its {end} end "
+                f"(it holds {here[0]}..{here[-1]})"
+            )
+        self._settle_memory()
+        if self.binder is None:
+            slots = [self._new_slot(i) for i in indices]
+        else:
+            self.binder.add_layers(indices)
+            _buffers_to(self.binder, indices, self.device)
+            slots = [LayerSlot.build(i, self.binder.structures[i], None, seed=0) for i in indices]
+        at = 0 if end == "first" else len(chunk)
+        chunk[at:at] = slots
+        self.load(tensors, indices)
+
+    def repartition(self, partition: Partition, schedule: Schedule) -> tuple[list[int], list[int]]:
+        """The layers this stage gains and loses under ``partition`` (with ``schedule``)."""
+        mine = set(self.layers())
+        new = {
+            i
+            for c in range(schedule.num_chunks)
+            for i in partition.layers(schedule.vstage(self.rank, c))
+        }
+        return sorted(new - mine), sorted(mine - new)
+
+    # ------------------------------------------------------------------ executor
+    def build_executor(
+        self,
+        *,
+        schedule: Schedule,
+        transport: Transport,
+        boundary_specs: dict[tuple[int, int], TensorSpec],
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        loss_scale: float | None = None,
+    ) -> StageExecutor:
+        """An executor for ``schedule`` over this stage's slots as they are now.
+
+        The steps done, injected slowdown and memory manager carry over from the
+        previous executor; the memory manager is rebuilt when the layers changed.
+        """
+        if self.memory is not None and self._memory_layers != self.layers():
+            budget = self.memory.budget
+            self.memory.close()
+            assert self.binder is not None
+            self.memory = MemoryManager(
+                self.binder,
+                budget=budget,
+                device=self.device,
+                order=block_order(schedule.stages[self.rank]),
+            )
+            self._memory_layers = self.layers()
+        executor = StageExecutor(
+            schedule=schedule,
+            stage=self.rank,
+            chunks=self.chunks,
+            loss_fn=loss_fn if loss_fn is not None else self.spec.loss,
+            loss_scale=loss_scale if loss_scale is not None else default_loss_scale(schedule),
+            transport=transport,
+            boundary_specs=boundary_specs,
+            binder=self.binder,
+            memory=self.memory,
+            batch_weight_grads=self.config.pipeline.batch_weight_grads,
+        )
+        self.switch_to(executor)
+        return executor
+
+    def switch_to(self, executor: StageExecutor) -> None:
+        """Run ``executor`` from now on (one built by `build_executor` for these slots);
+        the steps done and the injected slowdown carry over."""
+        previous = self.executor
+        if previous is None:
+            executor.steps_done = self._resumed_steps
+        elif previous is not executor:
+            executor.steps_done = previous.steps_done
+            executor.slowdown = previous.slowdown
+        self.executor = executor
+
+    def use_memory(self, memory: MemoryManager | None) -> None:
+        """Adopt the memory manager that keeps this stage's job states."""
+        self.memory = memory
+        self._memory_layers = self.layers()
+
+    # ------------------------------------------------------------------ helpers
+    def _slots(self) -> list[LayerSlot]:
+        return [slot for chunk in self.chunks for slot in chunk]
+
+    def _num_jobs(self) -> int:
+        return self.binder.num_jobs if self.binder is not None else 0
+
+    def _only_chunk(self, what: str) -> list[LayerSlot]:
+        if len(self.chunks) != 1:
+            raise PlanError(
+                f"stage {self.rank}: cannot {what} layers of a stage with {len(self.chunks)} "
+                "chunks (interleaved schedules); layers move between one-chunk stages"
+            )
+        return self.chunks[0]
+
+    def _settle_memory(self) -> None:
+        if self.memory is not None:
+            self.memory.synchronize()  # no copy in flight while slots change
+
+    def _new_slot(self, index: int) -> LayerSlot:
+        module = self.spec.build_layer(index, seed=self.config.train.seed, device=self.device)
+        params = list(module.parameters())
+        optimizer = self.config.optimizer.build(params) if params else None
+        return LayerSlot.build(index, module, optimizer, seed=self.config.train.seed)
+
+
+StageState = Stage
+"""The name this class had before it owned its executor."""
+
+
+def _buffers_to(binder: Binder, layers: Sequence[int], device: torch.device) -> None:
+    """Put the structures' constant buffers (a causal mask) where blocks run (job states
+    may start in host memory; the memory manager moves those)."""
+    for i in layers:
+        for module in binder.structures[i].modules():
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf.device != device:
+                    setattr(module, name, buf.to(device))
+
+
+def _pack(tensors: dict[str, Tensor], layers: list[int], num_jobs: int) -> bytes:
+    meta = {"kind": _KIND, "layers": layers, "jobs": num_jobs}
+    return safetensors.torch.save(tensors, metadata={"adaptipe": json.dumps(meta)})
+
+
+def payload_layers(payload: bytes) -> tuple[list[int], int]:
+    """The layers a `Stage.detach` payload holds and its job count (0: one job)."""
+    try:
+        (size,) = struct.unpack("<Q", payload[:8])
+        header = json.loads(payload[8 : 8 + size])
+        meta: Any = json.loads(header["__metadata__"]["adaptipe"])
+        if meta.get("kind") != _KIND:
+            raise ValueError(f"kind {meta.get('kind')!r}")
+        layers = [int(i) for i in meta["layers"]]
+        jobs = int(meta["jobs"])
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise PlanError(f"not a layer-slot payload ({exc})") from None
+    if not layers:
+        raise PlanError("layer-slot payload names no layer")
+    return layers, jobs
 
 
 def build_stage(
@@ -74,41 +313,41 @@ def build_stage(
     rank: int,
     config: RunConfig,
     device: torch.device,
-) -> StageState:
+) -> Stage:
     """Build this worker's layers as training each job alone would build them."""
     layer_lists = [
         list(partition.layers(schedule.vstage(rank, c))) for c in range(schedule.num_chunks)
     ]
+    seed = config.train.seed
     if config.sweep is None:
         chunks: list[list[LayerSlot]] = []
         for layers in layer_lists:
             slots = []
             for i in layers:
-                module = spec.build_layer(i, seed=config.train.seed, device=device)
+                module = spec.build_layer(i, seed=seed, device=device)
                 params = list(module.parameters())
-                slots.append(
-                    LayerSlot(i, module, config.optimizer.build(params) if params else None)
-                )
+                optimizer = config.optimizer.build(params) if params else None
+                slots.append(LayerSlot.build(i, module, optimizer, seed=seed))
             chunks.append(slots)
-        return StageState(chunks, None)
+        return Stage(spec=spec, config=config, device=device, rank=rank, chunks=chunks, binder=None)
     # With a memory budget below the job count the job states start in host memory (the
     # memory manager brings the first ones to the device): all of them on the device at
     # once is what the budget is there to avoid. Layers are initialised on the CPU either
     # way, so where they are built changes no value.
     budget = config.sweep.memory_budget
     host_first = device.type != "cpu" and 0 < budget < len(config.jobs)
+
     binder = Binder(
         layers=[i for layers in layer_lists for i in layers],
         jobs=config.jobs,
-        build_layer=lambda i, seed: spec.build_layer(
-            i, seed=seed, device="cpu" if host_first else device
+        build_layer=lambda i, job_seed: spec.build_layer(
+            i, seed=job_seed, device="cpu" if host_first else device
         ),
         make_optimizer=lambda job, params: job.optimizer.build(params),
     )
-    if host_first:  # the structures' constant buffers (a causal mask) run on the device
-        for structure in binder.structures.values():
-            for module in structure.modules():
-                for name, buf in list(module.named_buffers(recurse=False)):
-                    setattr(module, name, buf.to(device))
-    chunks = [[LayerSlot(i, binder.structures[i], None) for i in layers] for layers in layer_lists]
-    return StageState(chunks, binder)
+    _buffers_to(binder, binder.layers, device)
+    chunks = [
+        [LayerSlot.build(i, binder.structures[i], None, seed=0) for i in layers]
+        for layers in layer_lists
+    ]
+    return Stage(spec=spec, config=config, device=device, rank=rank, chunks=chunks, binder=binder)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ __all__ = [
     "P2PTransport",
     "TensorSpec",
     "TransferKey",
+    "Transport",
     "recv_spec",
     "send_spec",
     "wire_device",
@@ -106,6 +107,23 @@ class _PendingRecv:
     src: int
     buffer: torch.Tensor
     work: Any
+
+
+class Transport(Protocol):
+    """What an executor needs of a transport (`P2PTransport` between processes,
+    `adaptipe.runtime.local_transport.LocalTransport` between threads of one)."""
+
+    def start_iteration(
+        self, iteration: int, receives: list[tuple[TransferKey, int, TensorSpec]]
+    ) -> None: ...
+
+    def recv(self, key: TransferKey) -> torch.Tensor: ...
+
+    def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def take_times(self) -> tuple[float, float]: ...
 
 
 class P2PTransport:

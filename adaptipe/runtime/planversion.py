@@ -1,0 +1,247 @@
+"""Plan versions: the partition, schedule, active jobs and window the workers run.
+
+The manager (or a user, through `commit_plan`) *commits* a new version; every worker
+*adopts* it at the same iteration boundary (rank 0 reads the newest version and
+broadcasts it, `adaptipe.runtime.follower.PlanFollower`), and the boundary is recorded so
+that a resumed run replays the switch where it happened. A version that changes the
+partition moves layers between stages at that boundary (through a checkpoint written
+there, `adaptipe.runtime.worker`); one that changes the active jobs stops jobs of a
+job-array (`adaptipe.runtime.control`).
+
+Files under ``RUN_DIR/control/``::
+
+    active-NNNN.json   version N: jobs, stopped jobs, schedule, partition (immutable)
+    active.json        {"version": N}: the newest version (the commit point)
+    adopted-NNNN.json  {"version": N, "iteration": I}: the workers switched to version N
+                       at the boundary before iteration I
+
+Version 0 is the run's own plan (``schedule.json``, ``partition.json``, every job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from adaptipe.errors import PlanError
+from adaptipe.plan.partition import Partition
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.schedule.types import Instruction, Schedule
+from adaptipe.serial import read_json, write_json
+
+if TYPE_CHECKING:
+    from adaptipe.runtime.config import RunConfig
+
+__all__ = [
+    "ActiveSet",
+    "PlanVersion",
+    "adoptions",
+    "commit_plan",
+    "current_version",
+    "read_active",
+    "record_adoption",
+    "remap_jobs",
+    "replans",
+]
+
+ACTIVE_KIND = "active_set"
+ACTIVE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanVersion:
+    """What the workers run from one boundary on: which jobs train, the schedule that
+    orders their blocks, the partition of the layers and the window length.
+
+    ``schedule`` numbers the active jobs 0..k-1 (it is an ordinary, validated schedule);
+    ``jobs[i]`` is the sweep index of its job ``i``. `global_schedule` gives the same
+    instruction lists with sweep indices, which is what the workers execute.
+    ``partition`` None keeps the run's partition; ``window`` None keeps the run's rule
+    (``[sweep].window``).
+    """
+
+    version: int
+    jobs: tuple[int, ...]
+    schedule: Schedule
+    stopped: dict[int, dict[str, Any]] = field(default_factory=dict)  # job -> why, when
+    partition: Partition | None = None
+    window: int | None = None
+
+    def global_schedule(self, num_jobs: int) -> Schedule:
+        return remap_jobs(self.schedule, self.jobs, num_jobs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": ACTIVE_KIND,
+            "version": ACTIVE_VERSION,
+            "active_version": self.version,
+            "jobs": list(self.jobs),
+            "stopped": {str(j): info for j, info in sorted(self.stopped.items())},
+            "schedule": self.schedule.to_json(),
+            **({"partition": self.partition.to_json()} if self.partition is not None else {}),
+            **({"window": self.window} if self.window is not None else {}),
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str = "active set") -> PlanVersion:
+        if not isinstance(data, dict) or data.get("kind") != ACTIVE_KIND:
+            raise PlanError(f"{source}: not an active-set file")
+        try:
+            jobs = tuple(int(j) for j in data["jobs"])
+            stopped = {int(j): dict(v) for j, v in data.get("stopped", {}).items()}
+            version = int(data["active_version"])
+            window = None if data.get("window") is None else int(data["window"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{source}: malformed active set ({exc})") from None
+        if window is not None and window < 1:
+            raise PlanError(f"{source}: window must be >= 1 (got {window})")
+        schedule = Schedule.from_json(data["schedule"], source=f"{source}: schedule")
+        if schedule.num_jobs != len(jobs):
+            raise PlanError(
+                f"{source}: the schedule has {schedule.num_jobs} jobs but {len(jobs)} are active"
+            )
+        partition = (
+            Partition.from_json(data["partition"], source=f"{source}: partition")
+            if data.get("partition") is not None
+            else None
+        )
+        return cls(
+            version=version,
+            jobs=jobs,
+            schedule=schedule,
+            stopped=stopped,
+            partition=partition,
+            window=window,
+        )
+
+
+def remap_jobs(schedule: Schedule, jobs: Sequence[int], num_jobs: int) -> Schedule:
+    """``schedule`` with its job ``i`` renamed ``jobs[i]``, in an array of ``num_jobs``.
+
+    The result is for execution only: jobs not in ``jobs`` have no instructions, which
+    the validator (it checks every job of ``num_jobs``) would rightly reject.
+    """
+    if len(jobs) != schedule.num_jobs or len(set(jobs)) != len(jobs):
+        raise PlanError(f"remap_jobs: {list(jobs)} must name {schedule.num_jobs} distinct jobs")
+    if any(not 0 <= j < num_jobs for j in jobs):
+        raise PlanError(f"remap_jobs: jobs {list(jobs)} must lie in 0..{num_jobs - 1}")
+
+    def rename(ins: Instruction) -> Instruction:
+        return replace(ins, job=jobs[ins.job])
+
+    return replace(
+        schedule,
+        num_jobs=num_jobs,
+        stages=tuple(tuple(rename(i) for i in stage) for stage in schedule.stages),
+        meta={**schedule.meta, "jobs": list(jobs)},
+    )
+
+
+def _version_path(run: RunDir, version: int) -> Path:
+    return _control(run) / f"active-{version:04d}.json"
+
+
+def _adopted_path(run: RunDir, version: int) -> Path:
+    return _control(run) / f"adopted-{version:04d}.json"
+
+
+def adoptions(run: RunDir) -> dict[int, int]:
+    """``{version: iteration}``: when the workers switched to each version (not 0)."""
+    out: dict[int, int] = {}
+    for path in sorted(_control(run).glob("adopted-*.json")):
+        try:
+            data = read_json(path)
+            out[int(data["version"])] = int(data["iteration"])
+        except (OSError, PlanError, KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{path}: not an adoption record ({exc})") from None
+    return out
+
+
+def replans(run: RunDir) -> list[dict[str, Any]]:
+    """The switches the workers made, in order: ``{"iteration", "jobs" (how many train
+    on), "window" (iterations per full window), "round_order" (a key of
+    `adaptipe.japsp.window.ROUND_ORDERS`)}``, read from the run directory as written."""
+    out = []
+    for version, iteration in sorted(adoptions(run).items(), key=lambda item: item[1]):
+        path = _version_path(run, version)
+        try:
+            data = read_json(path)
+            meta = data["schedule"].get("meta", {})
+            row = {
+                "iteration": iteration,
+                "jobs": len(data["jobs"]),
+                "window": int(meta.get("window", 1)),
+                "round_order": str(meta.get("round_order", "given")),
+            }
+        except (OSError, PlanError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanError(f"{path}: not an active set ({exc})") from None
+        out.append(row)
+    return out
+
+
+def current_version(run: RunDir) -> int:
+    """The newest committed active-set version (0: the run's initial schedule)."""
+    try:
+        return int(read_json(_control(run) / "active.json")["version"])
+    except (OSError, PlanError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def read_active(run: RunDir, version: int, config: RunConfig | None = None) -> PlanVersion:
+    """Active-set ``version``; version 0 is every job with the run's ``schedule.json``."""
+    if version == 0:
+        config = config if config is not None else run.read_config()
+        return PlanVersion(
+            version=0, jobs=tuple(range(len(config.jobs))), schedule=run.read_schedule()
+        )
+    path = _version_path(run, version)
+    return PlanVersion.from_json(read_json(path), source=str(path))
+
+
+ActiveSet = PlanVersion
+"""A plan version read for its active jobs (the name job-array code has used)."""
+
+
+def _control(run: RunDir) -> Path:
+    return run.root / "control"
+
+
+def record_adoption(run: RunDir, version: int, iteration: int) -> None:
+    """Say that the workers switched to ``version`` at the boundary before ``iteration``."""
+    write_json(_adopted_path(run, version), {"version": version, "iteration": iteration})
+
+
+def commit_plan(run: RunDir, plan: PlanVersion, *, strict: bool = True) -> PlanVersion:
+    """Commit ``plan`` as the run's next version; the workers adopt it at their next
+    boundary. Returns it with its version number.
+
+    Raises `PlanError` when the partition cannot run with the run's model and schedule
+    (wrong layer count or stage count, or an asynchronous schedule, whose weight
+    versions a partition change would break).
+    """
+    config = run.read_config()
+    current = read_active(run, current_version(run), config)
+    if plan.partition is not None:
+        base = run.read_partition()
+        if plan.partition.num_layers != base.num_layers:
+            raise PlanError(
+                f"{run.root}: the new partition covers {plan.partition.num_layers} layers, "
+                f"the model has {base.num_layers}"
+            )
+        if plan.partition.num_stages != plan.schedule.num_virtual_stages:
+            raise PlanError(
+                f"{run.root}: the new partition has {plan.partition.num_stages} stages, the "
+                f"schedule {plan.schedule.num_virtual_stages} (stage processes do not change)"
+            )
+        if plan.schedule.weights != "sync":
+            raise PlanError(
+                f"{run.root}: a partition cannot change under an asynchronous schedule "
+                f"(weights={plan.schedule.weights!r}); use gpipe, 1f1b or interleaved"
+            )
+    version = current.version + 1
+    committed = replace(plan, version=version)
+    write_json(_version_path(run, version), committed.to_json(), strict=strict)
+    write_json(_control(run) / "active.json", {"version": version})
+    return committed

@@ -1,0 +1,52 @@
+"""Checkpoints of a running pipeline: every stage saves its own layers, rank 0 commits.
+
+Each stage writes its layers' tensors under global keys (`Stage.tensors`), so the
+checkpoint loads under any partition; rank 0 seals it once every stage has saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.stagestate import Stage
+
+__all__ = ["save_checkpoint"]
+
+
+def save_checkpoint(
+    run: RunDir,
+    stage: Stage,
+    *,
+    iteration: int,
+    steps: int,
+    rank: int,
+    world: int,
+    config: RunConfig,
+    num_layers: int,
+) -> None:
+    if stage.memory is not None:
+        stage.memory.synchronize()  # offloaded states are complete before they are saved
+    meta: dict[str, Any] = {"iteration": iteration, "stage": rank, "layers": stage.layers()}
+    ckpt.save_stage(run.checkpoint_dir(iteration), stage=rank, tensors=stage.tensors(), meta=meta)
+    dist.barrier()
+    if rank == 0:
+        ckpt.commit(
+            run.checkpoints,
+            iteration=iteration,
+            num_stages=world,
+            meta={
+                "model": config.model.name,
+                "model_config": dict(config.model.config),
+                "num_layers": num_layers,
+                "jobs": [job.name for job in config.jobs],
+                "steps": steps,
+            },
+        )
+        if config.train.keep_checkpoints > 0:
+            ckpt.prune(run.checkpoints, keep=config.train.keep_checkpoints)
+    dist.barrier()
