@@ -6,7 +6,6 @@ Everything here is reachable from the CLI too; the demo just chains the steps.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -18,9 +17,11 @@ import torch
 from adaptipe.profile.types import Profile
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from adaptipe.models import ModelSpec
 
-__all__ = ["main", "run_demo", "train_demo"]
+__all__ = ["run_demo", "train_demo"]
 
 _SCHEDULES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("gpipe", {}),
@@ -44,24 +45,67 @@ def run_demo(
 ) -> list[dict[str, Any]]:
     """Run the demo pipeline and return one row per (planner, stages, schedule)."""
     from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
 
-    from adaptipe.models import get_model
-    from adaptipe.plan.api import plan
-    from adaptipe.profile import profile_model
-    from adaptipe.schedule.build import build_schedule
     from adaptipe.serial import write_json
-    from adaptipe.sim import CostModel, plot_gantt, simulate
 
     # Off a terminal rich assumes 80 columns, too narrow for the comparison table.
     console = Console(width=None if sys.stdout.isatty() else 120)
     out.mkdir(parents=True, exist_ok=True)
+    profile = _profile_gpt(
+        console, microbatch=microbatch, repeats=repeats, model_overrides=model_overrides
+    )
+    write_json(out / "profile.json", profile.to_json())
+    total_ms = sum(lp.compute_s for lp in profile.layers) * 1e3
+    console.print(
+        f"profiled [bold]{profile.model}[/] ({profile.num_layers} layers, micro-batch {microbatch}, "
+        f"1 thread): {total_ms:.2f} ms forward+backward per micro-batch -> {out / 'profile.json'}"
+    )
+    rows: list[dict[str, Any]] = []
+    for planner in ("pipedream", "dynpipe"):
+        for stages in stage_counts:
+            for name, extra in _SCHEDULES:
+                chunks = int(extra.get("chunks", 1))
+                if stages * chunks > profile.num_layers:
+                    continue
+                rows.append(
+                    _simulate(
+                        out,
+                        profile,
+                        planner=planner,
+                        stages=stages,
+                        schedule=name,
+                        chunks=chunks,
+                        microbatch=microbatch,
+                        microbatches=microbatches,
+                        bandwidth_Bps=bandwidth_Bps,
+                        latency_s=latency_s,
+                    )
+                )
+    write_json(out / "comparison.json", rows)
+    single = microbatch / (total_ms / 1e3)
+    _print_comparison(
+        console, rows, single=single, microbatch=microbatch, microbatches=microbatches
+    )
+    console.print(
+        f"Gantt charts and JSON in {out}/ (one process, one thread: {single:.0f} samples/s)"
+    )
+    return rows
+
+
+def _profile_gpt(
+    console: Console, *, microbatch: int, repeats: int, model_overrides: dict[str, Any] | None
+) -> Profile:
+    """Profile the demo GPT on one thread, with a progress bar."""
+    from rich.progress import Progress
+
+    from adaptipe.models import get_model
+    from adaptipe.profile import profile_model
+
     # Six blocks give 8 layers: enough for 4 stages x 2 virtual stages (interleaved).
     spec = get_model("gpt", **({"n_layer": 6} | (model_overrides or {})))
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("profiling gpt", total=spec.num_layers)
-        profile = profile_model(
+        return profile_model(
             spec,
             microbatch=microbatch,
             repeats=repeats,
@@ -70,55 +114,63 @@ def run_demo(
                 task, completed=done, description=f"profiling {name}"
             ),
         )
-    write_json(out / "profile.json", profile.to_json())
-    total_ms = sum(lp.compute_s for lp in profile.layers) * 1e3
-    console.print(
-        f"profiled [bold]{profile.model}[/] ({profile.num_layers} layers, micro-batch {microbatch}, "
-        f"1 thread): {total_ms:.2f} ms forward+backward per micro-batch -> {out / 'profile.json'}"
+
+
+def _simulate(
+    out: Path,
+    profile: Profile,
+    *,
+    planner: str,
+    stages: int,
+    schedule: str,
+    chunks: int,
+    microbatch: int,
+    microbatches: int,
+    bandwidth_Bps: float,
+    latency_s: float,
+) -> dict[str, Any]:
+    """Plan, simulate and chart one (planner, stages, schedule); its comparison row."""
+    from adaptipe.plan.api import plan
+    from adaptipe.schedule.build import build_schedule
+    from adaptipe.serial import write_json
+    from adaptipe.sim import CostModel, plot_gantt, simulate
+
+    partition = plan(
+        profile, planner=planner, num_stages=stages * chunks, bandwidth_Bps=bandwidth_Bps
     )
+    write_json(out / f"partition-{planner}-{stages * chunks}.json", partition.to_json())
+    built = build_schedule(schedule, stages=stages, microbatches=microbatches, chunks=chunks)
+    costs = CostModel.from_profile(
+        profile, partition, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s
+    )
+    result = simulate(built, costs)
+    gantt = out / f"gantt-{planner}-{stages}-{schedule}.png"
+    plot_gantt(result, gantt, title=f"{schedule}, {planner} plan, S={stages}, M={microbatches}")
+    return {
+        "planner": planner,
+        "stages": stages,
+        "schedule": schedule,
+        "bounds": list(partition.bounds),
+        "makespan_s": result.makespan,
+        "bubble_ratio": result.bubble_ratio,
+        "samples_per_s": result.throughput * microbatch,
+        "peak_activation_bytes": max(result.peak_activation_bytes),
+        "peak_weight_bytes": max(result.peak_weight_bytes),
+        "gantt": str(gantt),
+    }
 
-    rows: list[dict[str, Any]] = []
-    for planner in ("pipedream", "dynpipe"):
-        for stages in stage_counts:
-            for name, extra in _SCHEDULES:
-                chunks = int(extra.get("chunks", 1))
-                if stages * chunks > profile.num_layers:
-                    continue
-                partition = plan(
-                    profile,
-                    planner=planner,
-                    num_stages=stages * chunks,
-                    bandwidth_Bps=bandwidth_Bps,
-                )
-                write_json(out / f"partition-{planner}-{stages * chunks}.json", partition.to_json())
-                schedule = build_schedule(
-                    name, stages=stages, microbatches=microbatches, chunks=chunks
-                )
-                costs = CostModel.from_profile(
-                    profile, partition, bandwidth_Bps=bandwidth_Bps, latency_s=latency_s
-                )
-                result = simulate(schedule, costs)
-                gantt = out / f"gantt-{planner}-{stages}-{name}.png"
-                plot_gantt(
-                    result, gantt, title=f"{name}, {planner} plan, S={stages}, M={microbatches}"
-                )
-                rows.append(
-                    {
-                        "planner": planner,
-                        "stages": stages,
-                        "schedule": name,
-                        "bounds": list(partition.bounds),
-                        "makespan_s": result.makespan,
-                        "bubble_ratio": result.bubble_ratio,
-                        "samples_per_s": result.throughput * microbatch,
-                        "peak_activation_bytes": max(result.peak_activation_bytes),
-                        "peak_weight_bytes": max(result.peak_weight_bytes),
-                        "gantt": str(gantt),
-                    }
-                )
-    write_json(out / "comparison.json", rows)
 
-    single = microbatch / (total_ms / 1e3)
+def _print_comparison(
+    console: Console,
+    rows: list[dict[str, Any]],
+    *,
+    single: float,
+    microbatch: int,
+    microbatches: int,
+) -> None:
+    """The comparison table; ``single`` is one process's samples/s."""
+    from rich.table import Table
+
     table = Table(
         title=f"Simulated GPT pipelines ({microbatches} micro-batches of {microbatch}, link 1 GB/s)"
     )
@@ -147,10 +199,6 @@ def run_demo(
             f"{r['samples_per_s'] / single:.2f}",
         )
     console.print(table)
-    console.print(
-        f"Gantt charts and JSON in {out}/ (one process, one thread: {single:.0f} samples/s)"
-    )
-    return rows
 
 
 _TRAIN_CONFIG: dict[str, Any] = {
@@ -241,25 +289,7 @@ def _sample(
     return decode(ids[0])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m adaptipe.demo", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("runs/demo"))
-    parser.add_argument("--microbatch", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--iterations", type=int, default=100, help="iterations of the real training run"
-    )
-    parser.add_argument("--json", action="store_true", help="also print the results as JSON")
-    args = parser.parse_args(argv)
-    rows = run_demo(
-        args.out, microbatch=args.microbatch, microbatches=args.microbatches, repeats=args.repeats
-    )
-    trained = train_demo(args.out, iterations=args.iterations)
-    if args.json:
-        print(json.dumps({"simulated": rows, "trained": trained}))
-    return 0
+if __name__ == "__main__":  # `make demo`; the options live in adaptipe.cli.demo
+    from adaptipe.cli.demo import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

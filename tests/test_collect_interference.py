@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
+from adaptipe.cli.collect import add_parser as add_collect_parser
+from adaptipe.cli.collect import run as run_collect_command
 from adaptipe.errors import PlanError
 from adaptipe.inject.collect import (
     COLUMNS,
     STAGE_FEATURES,
     DatasetSummary,
     Level,
-    add_collect_parser,
     collect_interference,
     default_levels,
-    run_collect_command,
 )
 from adaptipe.monitor.features import FEATURES
 

@@ -467,7 +467,7 @@ def test_a_stop_that_comes_in_the_last_window_is_reported_as_not_adopted(
 ) -> None:
     from rich.console import Console
 
-    from adaptipe.cli import _print_ranking
+    from adaptipe.cli.summary import _print_ranking
     from adaptipe.runtime.control import _request_stop
 
     cfg = _array(make_config, 6)

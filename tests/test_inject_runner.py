@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
+from adaptipe.cli.inject import add_parser as add_inject_parser
+from adaptipe.cli.inject import run as run_inject_command
 from adaptipe.errors import PlanError
 from adaptipe.inject import (
     Event,
     ScenarioRunner,
     Throttle,
-    add_inject_parser,
     inject,
     read_slowdowns,
     read_throttles,
-    run_inject_command,
 )
 from adaptipe.inject.injectors import ChildFailed, HogProcesses
 from adaptipe.inject.scenario import parse_scenario

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from adaptipe.cli.inject import add_parser as add_inject_parser
+from adaptipe.cli.inject import run as run_inject_command
 from adaptipe.errors import PlanError
-from adaptipe.inject import ScenarioRunner, add_inject_parser, expand, run_inject_command
+from adaptipe.inject import ScenarioRunner, expand
 from adaptipe.inject.arrivals import arrival_times
 from adaptipe.inject.scenario import (
     CpuHog,

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from adaptipe.cli.japsp import add_parser as add_japsp_parser
 from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, generate, lower_bound, solve, to_schedule
 from adaptipe.japsp.bnb import solve_bnb
@@ -20,7 +21,6 @@ from adaptipe.japsp.budget import WORK_PER_SECOND, SearchBudget
 from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.evaluate import OpTable
 from adaptipe.japsp.genetic import _job_sequences, _sequence_seeds, solve_ga
-from adaptipe.japsp.solve import add_japsp_parser
 from adaptipe.japsp.window import ROUND_ORDERS
 from adaptipe.schedule.onefoneb import one_f_one_b_order
 from adaptipe.schedule.validate import validate

@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 
+from adaptipe.cli.monitor import add_parser as add_monitor_parser
+from adaptipe.cli.report import add_parser as add_report_parser
 from adaptipe.errors import PlanError
 from adaptipe.monitor.bandwidth import LinkMeter
-from adaptipe.monitor.live import MonitorState, add_monitor_parser, render, render_links
-from adaptipe.monitor.report import add_report_parser, make_report
+from adaptipe.monitor.live import MonitorState, render, render_links
+from adaptipe.monitor.report import make_report
 from adaptipe.monitor.runlog import JsonlTail, load_run
 from adaptipe.monitor.schema import DeviceSample, Event, LinkSample, StageStats
 

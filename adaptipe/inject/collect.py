@@ -1,4 +1,4 @@
-"""``adaptipe collect-interference``: the dataset DynPipe's interference model learns from.
+"""The dataset DynPipe's interference model learns from (``adaptipe collect-interference``).
 
 DynPipe (§V-A) trains a random forest offline: a typical training task runs solo and then
 under various levels of injected interference, and each measurement becomes one sample
@@ -15,29 +15,27 @@ every 100 ms), so a window sees the hog's average share and not one phase of it.
 Device features come from `sample_device` and `feature_vector` inside the measuring
 process during the interfered windows, so the model learns from exactly what a running
 stage reports. Rows are appended (and flushed) as they are measured; the JSON sidecar
-describes every column, the machine and the run.
+describes every column, the machine and the run (`adaptipe.inject.dataset`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
 import math
 import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
 from adaptipe.errors import PlanError
+from adaptipe.inject.dataset import COLUMNS, DatasetSummary, DatasetWriter, sidecar_path
 from adaptipe.inject.runner import InjectionError, inject
 from adaptipe.inject.stage_probe import (
     KIND_VOCABULARY,
@@ -47,9 +45,7 @@ from adaptipe.inject.stage_probe import (
     StageProbe,
     start_probe,
 )
-from adaptipe.monitor import features as features_module
 from adaptipe.monitor.features import FEATURES
-from adaptipe.serial import write_json
 
 __all__ = [
     "COLUMNS",
@@ -58,15 +54,11 @@ __all__ = [
     "CollectError",
     "DatasetSummary",
     "Level",
-    "add_collect_parser",
     "collect_interference",
     "default_levels",
-    "run_collect_command",
     "sidecar_path",
 ]
 
-DATASET_KIND = "adaptipe-interference-dataset"
-DATASET_VERSION = 1
 MODELS = ("mlp", "gpt", "cnn")
 _HOG_PERIOD_S = 0.1  # the hogs' duty-cycle period (adaptipe.inject.injectors)
 _SETTLE_S = 0.02  # after a hog is ready, before the interfered windows
@@ -158,70 +150,6 @@ def default_levels(*, other_core: bool = True, memory_gib: float = 0.5) -> tuple
     return tuple(levels)
 
 
-_LEVEL_COLUMNS = ("level", "hog_where", "hog_threads", "hog_intensity", "hog_method", "memory_gib")
-_MEASURE_COLUMNS = ("baseline_step_s", "interfered_step_s", "window_s")
-_META_COLUMNS = ("row", "time_s", "model", "variant", "layer_start", "layer_stop", "core")
-COLUMNS: tuple[str, ...] = (
-    *FEATURES, *STAGE_FEATURES, *_LEVEL_COLUMNS, *_MEASURE_COLUMNS, *_META_COLUMNS, "slowdown"
-)  # fmt: skip
-_DESCRIPTIONS = {
-    "stage_params": "parameters in the stage",
-    "stage_flops": "FLOPs of one forward + backward on the micro-batch (torch FlopCounterMode)",
-    "stage_input_bytes": "bytes of the stage's input activation",
-    "stage_activation_bytes": "bytes of the stage's output activation (sent forward)",
-    "stage_stash_bytes": "bytes autograd saves for backward, parameters excluded",
-    "stage_layers": "layers in the stage",
-    "stage_microbatch": "samples per micro-batch",
-    "level": "interference level name (none, cpu-WHERE-METHOD-THREADSxINTENSITY, mem-GiB)",
-    "hog_where": "where CPU hogs run: none, same (the stage's core), other (another core)",
-    "hog_threads": "hog processes (one thread each)",
-    "hog_intensity": "busy fraction of every 100 ms per hog",
-    "hog_method": "hog load: none, spin (Python loop) or matmul (one-thread numpy)",
-    "memory_gib": "GiB of touched memory held by another process",
-    "baseline_step_s": "median step time, solo, measured right before (a profile gives this)",
-    "interfered_step_s": "median step time under the level",
-    "window_s": "length of each timing window (whole hog periods)",
-    "row": "row number in this file",
-    "time_s": "unix time of the interfered measurement",
-    "model": "zoo model name",
-    "variant": "model config overrides (name=value;...) or default",
-    "layer_start": "first layer of the stage",
-    "layer_stop": "one past the stage's last layer",
-    "core": "the core the stage is pinned to",
-    "slowdown": "label: interfered_step_s / baseline_step_s",
-}
-
-
-def _role(column: str) -> str:
-    if column in FEATURES:
-        return "device"
-    if column in STAGE_FEATURES:
-        return "stage"
-    if column in _LEVEL_COLUMNS:
-        return "level"
-    if column in _MEASURE_COLUMNS:
-        return "measurement"
-    return "label" if column == "slowdown" else "meta"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DatasetSummary:
-    path: Path
-    sidecar: Path
-    rows: int
-    stages: int
-    wall_s: float
-    columns: tuple[str, ...]
-    slowdown_by_level: dict[str, tuple[float, int]]  # level -> (mean slowdown, rows)
-    failures: tuple[str, ...] = ()  # levels that could not be put in place (skipped)
-    pids: tuple[int, ...] = field(default=(), repr=False)  # every process this run started
-
-
-def sidecar_path(out: Path) -> Path:
-    """The JSON sidecar next to a dataset: ``data/x.csv`` -> ``data/x.json``."""
-    return out.with_suffix(".json")
-
-
 # ---- the collection ---------------------------------------------------------------------------
 
 
@@ -267,65 +195,77 @@ def _machine(core: int, other: int | None, hello: dict[str, Any]) -> dict[str, A
     }
 
 
-def _describe(column: str) -> str:
-    """A column's meaning; device features take theirs from `adaptipe.monitor.features`."""
-    if column in _DESCRIPTIONS:
-        return _DESCRIPTIONS[column]
-    for line in (features_module.__doc__ or "").splitlines():
-        name, _, meaning = line.partition(" ")
-        if name == column and meaning.strip():
-            return f"device: {meaning.strip()}"
-    return "device feature"
+class _Deck:
+    """The levels each stage is measured under: "none" always, then the next ones of a
+    shuffled deck of the others, so that every level comes up equally often."""
+
+    def __init__(self, catalogue: Sequence[Level], rng: random.Random, *, per_stage: int) -> None:
+        self.always = [lv for lv in catalogue if lv.name == "none"][:1]
+        self.rest = [lv for lv in catalogue if lv.name != "none"]
+        self.rng, self.per_stage = rng, per_stage
+        self.deck: list[Level] = []
+
+    def deal(self) -> list[Level]:
+        chosen = list(self.always)
+        while len(chosen) < self.per_stage and self.rest:
+            self.deck = self.deck or self.rng.sample(self.rest, len(self.rest))
+            chosen.append(self.deck.pop())
+        self.rng.shuffle(chosen)
+        return chosen
 
 
-class _Dataset:
-    """The CSV (one flushed row per measurement) and its sidecar, kept current."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Stage:
+    """A random slice of a zoo model at a random micro-batch size, built in the probe."""
 
-    def __init__(self, out: Path, run: dict[str, Any]) -> None:
-        self.path, self.sidecar = out, sidecar_path(out)
-        self.began = time.monotonic()
-        self.rows, self.stages = 0, 0
-        self.by_level: dict[str, list[float]] = {}
-        self.failures: list[str] = []
-        self.meta: dict[str, Any] = {
-            "kind": DATASET_KIND,
-            "version": DATASET_VERSION,
-            "data": out.name,
-            "format": "csv",
-            "label": "slowdown",
-            "features": [*FEATURES, *STAGE_FEATURES],
-            "columns": [
-                {"name": c, "role": _role(c), "description": _describe(c)} for c in COLUMNS
-            ],
-            "machine": {},
-            "run": run,
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = out.open("w", newline="")
-        self._writer = csv.writer(self._fh)
-        self._writer.writerow(COLUMNS)
-        self._fh.flush()
+    label: str  # model[start:stop] mb=N
+    columns: dict[str, Any]  # its meta columns
+    features: dict[str, Any]  # its STAGE_FEATURES
+    window: float  # timing window: whole hog periods, >= 3 steps
+    measure: dict[str, Any]  # the probe's measure request
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.began
+    @classmethod
+    def draw(
+        cls,
+        worker: StageProbe,
+        rng: random.Random,
+        model: str,
+        *,
+        seed: int,
+        core: int,
+        windows: int,
+        window_s: float,
+    ) -> _Stage:
+        pick = rng.randrange(len(VARIANTS[model]))
+        config, microbatches = VARIANTS[model][pick]
+        n = worker.hello["layers"][model][pick]
+        start = rng.randrange(n)
+        stop, mb = rng.randint(start + 1, n), rng.choice(microbatches)
+        request = {"op": "stage", "model": model, "config": config, "seed": seed}
+        built = worker.request(request | {"start": start, "stop": stop, "microbatch": mb}, "stage")
+        window = max(1, math.ceil(3 * built["step_s"] / window_s)) * window_s
+        columns = {"model": model, "layer_start": start, "layer_stop": stop, "core": core}
+        columns["variant"] = ";".join(f"{k}={v}" for k, v in sorted(config.items())) or "default"
+        return cls(
+            label=f"{model}[{start}:{stop}] mb={mb}",
+            columns=columns,
+            features=built["features"],
+            window=window,
+            measure={"op": "measure", "windows": windows, "window_s": window},
+        )
 
-    def add(self, row: dict[str, Any]) -> None:
-        self._writer.writerow([row[c] for c in COLUMNS])
-        self._fh.flush()  # an interrupted collection keeps every row measured so far
-        self.rows += 1
-        self.by_level.setdefault(row["level"], []).append(row["slowdown"])
-
-    def means(self) -> dict[str, tuple[float, int]]:
-        return {k: (statistics.fmean(v), len(v)) for k, v in sorted(self.by_level.items())}
-
-    def write_sidecar(self, status: str) -> None:
-        done = {"status": status, "rows": self.rows, "stages": self.stages}
-        done |= {"wall_s": round(self.elapsed(), 3), "failures": self.failures[:20]}
-        done["slowdown_mean_by_level"] = {k: m for k, (m, _) in self.means().items()}
-        write_json(self.sidecar, self.meta | {"run": self.meta["run"] | done})
-
-    def close(self) -> None:
-        self._fh.close()
+    def row(
+        self, level: Level, base: dict[str, Any], hit: dict[str, Any], *, number: int
+    ) -> dict[str, Any]:
+        """The dataset row of a baseline and an interfered measurement under ``level``."""
+        baseline = statistics.median(base["step_s"])
+        interfered = statistics.median(hit["step_s"])
+        row = dict(zip(FEATURES, hit["features"], strict=True))
+        row |= self.features | level.columns() | self.columns
+        row |= {"baseline_step_s": baseline, "interfered_step_s": interfered}
+        row |= {"window_s": self.window, "row": number, "time_s": round(time.time(), 3)}
+        row["slowdown"] = interfered / baseline
+        return row
 
 
 def _pair(
@@ -384,15 +324,14 @@ def collect_interference(
         raise PlanError("levels must name at least one level (e.g. Level() for none)")
     for level in catalogue:
         level.injections(core, other)  # a level that cannot run here fails now
-    always = [lv for lv in catalogue if lv.name == "none"][:1]
-    rest = [lv for lv in catalogue if lv.name != "none"]
     rng = random.Random(seed)
+    deck = _Deck(catalogue, rng, per_stage=levels_per_stage)
     run = {"seed": seed, "minutes": minutes, "models": list(models), "windows": windows}
     run |= {"window_s": window_s, "levels_per_stage": levels_per_stage}
     run |= {"levels": [lv.name for lv in catalogue]}
     run["started_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    total_s, drawn, deck, pids = minutes * 60.0, 0, list[Level](), set[int]()
-    data = _Dataset(out, run)
+    total_s, drawn, pids = minutes * 60.0, 0, set[int]()
+    data = DatasetWriter(out, run)
     try:
         with start_probe(core) as worker:
             pids.add(worker.pid)
@@ -401,48 +340,23 @@ def collect_interference(
             while drawn == 0 or data.elapsed() < total_s:
                 model = models[drawn % len(models)]
                 drawn += 1
-                pick = rng.randrange(len(VARIANTS[model]))
-                config, microbatches = VARIANTS[model][pick]
-                n = worker.hello["layers"][model][pick]
-                start = rng.randrange(n)
-                stop, mb = rng.randint(start + 1, n), rng.choice(microbatches)
-                request = {"op": "stage", "model": model, "config": config, "seed": seed}
-                built = worker.request(
-                    request | {"start": start, "stop": stop, "microbatch": mb}, "stage"
-                )
-                window = max(1, math.ceil(3 * built["step_s"] / window_s)) * window_s
-                measure = {"op": "measure", "windows": windows, "window_s": window}
-                chosen = list(always)
-                while len(chosen) < levels_per_stage and rest:
-                    deck = deck or rng.sample(rest, len(rest))
-                    chosen.append(deck.pop())
-                rng.shuffle(chosen)
-                stage = {"model": model, "layer_start": start, "layer_stop": stop, "core": core}
-                stage["variant"] = (
-                    ";".join(f"{k}={v}" for k, v in sorted(config.items())) or "default"
+                stage = _Stage.draw(
+                    worker, rng, model, seed=seed, core=core, windows=windows, window_s=window_s
                 )
                 before = data.rows
-                for level in chosen:
+                for level in deck.deal():
                     if drawn > 1 and data.elapsed() >= total_s:
                         break
                     try:
-                        base, hit, hogs = _pair(worker, level, core, other, measure)
+                        base, hit, hogs = _pair(worker, level, core, other, stage.measure)
                     except InjectionError as exc:
                         data.failures.append(f"{level.name}: {exc}")
                         continue
                     pids |= hogs
-                    baseline = statistics.median(base["step_s"])
-                    interfered = statistics.median(hit["step_s"])
-                    row = dict(zip(FEATURES, hit["features"], strict=True))
-                    row |= built["features"] | level.columns() | stage
-                    row |= {"baseline_step_s": baseline, "interfered_step_s": interfered}
-                    row |= {"window_s": window, "row": data.rows, "time_s": round(time.time(), 3)}
-                    row["slowdown"] = interfered / baseline
+                    row = stage.row(level, base, hit, number=data.rows)
                     data.add(row)
                     if progress is not None:
-                        note = (
-                            f"{model}[{start}:{stop}] mb={mb} {level.name}: x{row['slowdown']:.2f}"
-                        )
+                        note = f"{stage.label} {level.name}: x{row['slowdown']:.2f}"
                         progress(data.elapsed(), total_s, data.rows, note)
                 data.stages += 1 if data.rows > before else 0
     except KeyboardInterrupt:
@@ -465,60 +379,3 @@ def collect_interference(
         failures=tuple(data.failures),
         pids=tuple(sorted(pids)),
     )
-
-
-# ---- CLI ------------------------------------------------------------------------------------
-
-
-def add_collect_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``adaptipe collect-interference`` to the ``adaptipe`` command."""
-    p = subparsers.add_parser(
-        "collect-interference",
-        help="measure zoo stages under injected interference -> dataset for the slowdown model",
-    )
-    p.add_argument("--out", default="data/interference.csv", help="dataset CSV (and its .json)")
-    p.add_argument("--minutes", type=float, default=10.0, help="time budget (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="seed of stage slices and level order")
-    p.add_argument("--models", default=",".join(MODELS), help="comma list (default mlp,gpt,cnn)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=run_collect_command)
-    return p
-
-
-def run_collect_command(args: argparse.Namespace) -> int:
-    """Collect with a progress bar, then print rows and the mean slowdown of every level."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    columns = (
-        TextColumn("[bold]collect[/]"),
-        BarColumn(),
-        TextColumn("{task.fields[rows]} rows"),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
-    with Progress(*columns, console=Console(stderr=True), disable=args.no_progress) as bar:
-        task = bar.add_task("", total=args.minutes * 60.0, rows=0)
-
-        def step(elapsed_s: float, total_s: float, rows: int, note: str) -> None:
-            bar.update(task, completed=min(elapsed_s, total_s), rows=rows, description=note)
-
-        summary = collect_interference(
-            Path(args.out), minutes=args.minutes, seed=args.seed, models=models, progress=step
-        )
-    table = Table(
-        title=f"{summary.rows} rows from {summary.stages} stages in {summary.wall_s:.0f} s"
-    )
-    for col in ("level", "rows", "mean slowdown"):
-        table.add_column(col, justify="left" if col == "level" else "right")
-    for name, (mean, count) in summary.slowdown_by_level.items():
-        table.add_row(name, str(count), f"{mean:.2f}")
-    Console().print(table)
-    print(f"wrote {summary.path} and {summary.sidecar}")
-    for failure in summary.failures[:5]:
-        print(f"skipped: {failure}", file=sys.stderr)
-    return 0

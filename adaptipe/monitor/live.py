@@ -16,12 +16,12 @@ A run directory is read with :mod:`adaptipe.monitor.runlog`, which checks every 
 bad lines are skipped and counted under their reason, and the count is shown.
 :func:`render` turns a :class:`MonitorState` into the stage table, :func:`render_links`
 into the link table, and :func:`view` puts them together; none of them does I/O, so they
-are tested on their own.
+are tested on their own. :func:`watch` shows the view until the run ends.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -48,11 +48,10 @@ from adaptipe.units import format_bytes
 
 __all__ = [
     "MonitorState",
-    "add_monitor_parser",
     "render",
     "render_links",
-    "run_monitor_command",
     "view",
+    "watch",
 ]
 
 
@@ -243,58 +242,51 @@ def view(state: MonitorState) -> RenderableType:
     return Group(stages, links)
 
 
-# --------------------------------------------------------------------------- the command
-def add_monitor_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``adaptipe monitor RUN_DIR|ADDRESS`` to the ``adaptipe`` command."""
-    p = subparsers.add_parser(
-        "monitor",
-        help="live per-stage view of a run's telemetry (run directory or tcp:// address)",
-        description=(
-            "Follow a run directory's telemetry.jsonl, replay a finished run (--replay), "
-            "or bind a standalone collector at a tcp:// address for workers started with "
-            "ADAPTIPE_TELEMETRY=that address (it cannot attach to a collector that "
-            "`adaptipe train` runs; watch that run's directory instead)."
-        ),
-    )
-    p.add_argument("source", metavar="RUN_DIR|ADDRESS", help="run directory or tcp://host:port")
-    p.add_argument("--refresh-s", type=float, default=0.5, help="seconds between frames")
-    p.add_argument("--window", type=int, default=20, help="iterations averaged per stage")
-    p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--replay", action="store_true", help="play a finished run back in time")
-    p.add_argument("--speed", type=float, default=1.0, help="replay speed-up (with --replay)")
-    p.set_defaults(func=run_monitor_command)
-    return p
+# --------------------------------------------------------------------------- the loops
+def watch(
+    source: str | Path,
+    *,
+    refresh_s: float = 0.5,
+    window: int = 20,
+    once: bool = False,
+    replay: bool = False,
+    speed: float = 1.0,
+) -> None:
+    """Show the view of ``source`` until the run finishes (run directory) or Ctrl-C.
 
-
-def run_monitor_command(args: argparse.Namespace) -> int:
-    """Show the view until the run finishes (run directory) or Ctrl-C."""
-    for name in ("refresh_s", "speed"):
-        if not getattr(args, name) > 0:
-            raise PlanError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
-    if args.window < 1:
-        raise PlanError(f"--window must be >= 1 (got {args.window})")
+    Args:
+        source: a run directory, or a ``tcp://host:port`` address to bind a collector at.
+        refresh_s: seconds between frames.
+        window: iterations averaged per stage.
+        once: print one frame and return.
+        replay: play a finished run (a run directory) back in its own time.
+        speed: the replay's speed-up.
+    """
+    for name, value in (("refresh_s", refresh_s), ("speed", speed)):
+        if not value > 0:
+            raise PlanError(f"{name} must be > 0 (got {value})")
+    if window < 1:
+        raise PlanError(f"window must be >= 1 (got {window})")
     console = Console(width=None if sys.stdout.isatty() else 120)
-    state = MonitorState(window=args.window, source=args.source)
-    try:
-        if "://" in args.source:
-            if args.replay:
-                raise PlanError("--replay needs a run directory, not an address")
-            return _watch_address(console, state, args)
-        root = Path(args.source)
-        if args.replay:
-            return _replay(console, state, root, args)
-        return _follow(console, state, root, args)
-    except KeyboardInterrupt:  # the usual way to leave a live view
-        return 0
+    state = MonitorState(window=window, source=str(source))
+    if "://" in str(source) and replay:
+        raise PlanError("replay needs a run directory, not an address")
+    with contextlib.suppress(KeyboardInterrupt):  # the usual way to leave a live view
+        if "://" in str(source):
+            _watch_address(console, state, str(source), refresh_s=refresh_s, once=once)
+        elif replay:
+            _replay(console, state, Path(source), refresh_s=refresh_s, once=once, speed=speed)
+        else:
+            _follow(console, state, Path(source), refresh_s=refresh_s, once=once)
 
 
-def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Namespace) -> int:
+def _follow(
+    console: Console, state: MonitorState, root: Path, *, refresh_s: float, once: bool
+) -> None:
     check_run_dir(root)
     summary_mtime = _mtime(root / SUMMARY)
     finished = summary_mtime is not None and summary_mtime >= (_mtime(root / TELEMETRY) or 0)
-    if args.once or finished:
+    if once or finished:
         log = load_run(root, final=finished)  # raises naming a missing or empty file
         for record in log.records:
             state.add(record)
@@ -303,7 +295,7 @@ def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Na
         state.skipped = skipped_note(log.skipped)
         state.status = "finished" if finished else ""
         console.print(view(state))
-        return 0
+        return
     if not (root / TELEMETRY).exists():
         load_run(root)  # raises the error that names the missing file
     follower = RunFollower(root)
@@ -321,13 +313,13 @@ def _follow(console: Console, state: MonitorState, root: Path, args: argparse.Na
     step(final=False)
     with Live(view(state), console=console, auto_refresh=False) as live:
         while True:
-            time.sleep(args.refresh_s)
+            time.sleep(refresh_s)
             done = _mtime(root / SUMMARY) != summary_mtime
             step(final=done)
             state.status = "finished" if done else ""
             live.update(view(state), refresh=True)
             if done:
-                return 0
+                return
 
 
 def _mtime(path: Path) -> float | None:
@@ -337,7 +329,15 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def _replay(console: Console, state: MonitorState, root: Path, args: argparse.Namespace) -> int:
+def _replay(
+    console: Console,
+    state: MonitorState,
+    root: Path,
+    *,
+    refresh_s: float,
+    once: bool,
+    speed: float,
+) -> None:
     log = load_run(root)
     state.skipped = skipped_note(log.skipped)
     # A metrics record belongs at the time its iteration's last stage reported.
@@ -366,26 +366,27 @@ def _replay(console: Console, state: MonitorState, root: Path, args: argparse.Na
             else:
                 state.add(item)
 
-    if args.once:
+    if once:
         feed(float("inf"))
         console.print(view(state))
-        return 0
+        return
     from rich.live import Live
 
     clock = timeline[0][0]
     with Live(view(state), console=console, auto_refresh=False) as live:
         while fed < len(timeline):
-            clock += args.refresh_s * args.speed
+            clock += refresh_s * speed
             feed(clock)
             left = fed < len(timeline)
-            state.status = f"replay at {args.speed:g}x" if left else "replay finished"
+            state.status = f"replay at {speed:g}x" if left else "replay finished"
             live.update(view(state), refresh=True)
             if left:
-                time.sleep(args.refresh_s)
-    return 0
+                time.sleep(refresh_s)
 
 
-def _watch_address(console: Console, state: MonitorState, args: argparse.Namespace) -> int:
+def _watch_address(
+    console: Console, state: MonitorState, address: str, *, refresh_s: float, once: bool
+) -> None:
     from adaptipe.monitor.collector import Collector
 
     def frame(collector: Collector) -> RenderableType:
@@ -398,16 +399,16 @@ def _watch_address(console: Console, state: MonitorState, args: argparse.Namespa
         fresh.status = "" if collector.accepted else "waiting for workers"
         return view(fresh)
 
-    with Collector(bind=args.source, history=max(args.window, 256)) as collector:
+    with Collector(bind=address, history=max(state.window, 256)) as collector:
         collector.start()
         console.print(f"collector bound at {collector.address}; set ADAPTIPE_TELEMETRY to it")
-        if args.once:
-            time.sleep(args.refresh_s)
+        if once:
+            time.sleep(refresh_s)
             console.print(frame(collector))
-            return 0
+            return
         from rich.live import Live
 
         with Live(frame(collector), console=console, auto_refresh=False) as live:
             while True:
-                time.sleep(args.refresh_s)
+                time.sleep(refresh_s)
                 live.update(frame(collector), refresh=True)

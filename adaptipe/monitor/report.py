@@ -12,7 +12,6 @@ embeds the PNGs by relative path next to the run's summary; it loads nothing els
 
 from __future__ import annotations
 
-import argparse
 import html
 import json
 import math
@@ -29,7 +28,7 @@ from adaptipe.monitor.runlog import METRICS, TELEMETRY, RunLog, load_run, skippe
 from adaptipe.monitor.schema import DeviceSample, LinkSample, StageStats
 from adaptipe.monitor.timeline import Mark, run_marks
 
-__all__ = ["Mark", "add_report_parser", "make_report", "run_report_command"]
+__all__ = ["Mark", "make_report"]
 
 
 # --------------------------------------------------------------------------- the page
@@ -247,21 +246,3 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     page_path = out_dir / "report.html"
     page_path.write_text(page, encoding="utf-8")
     return page_path
-
-
-def add_report_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Add ``adaptipe report RUN_DIR`` to the ``adaptipe`` command."""
-    p = subparsers.add_parser("report", help="charts and an HTML page from a run directory")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    p.add_argument("--out", help="folder for the PNGs and report.html (default RUN_DIR/report)")
-    p.set_defaults(func=run_report_command)
-    return p
-
-
-def run_report_command(args: argparse.Namespace) -> int:
-    page = make_report(args.run_dir, args.out)
-    pngs = sorted(p.name for p in page.parent.glob("*.png"))
-    print(f"wrote {page} ({', '.join(pngs)})")
-    return 0
