@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
-from adaptipe.runtime.sweep import JobSpec
+from adaptipe.runtime.jobs import JobSpec
 
 __all__ = ["Binder", "JobLayerState", "refuse_unbindable"]
 

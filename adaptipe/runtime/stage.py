@@ -29,11 +29,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, P2PTransport, TensorSpec, TransferKey
-from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.schedule.types import (
     Backward,
     Forward,
