@@ -17,12 +17,12 @@ from adaptipe.errors import PlanError, ScheduleError
 from adaptipe.japsp import JapspInstance, evaluate, solve
 from adaptipe.japsp.baselines import one_f_one_b_orders
 from adaptipe.japsp.evaluate import OpTable
+from adaptipe.japsp.jitter import Replay as _Jitter
 from adaptipe.japsp.window import (
     AUTO_WINDOW_MAX,
     JITTER,
     NEAR,
     ROUND_ORDERS,
-    _Jitter,
     _one_step_ahead,
     auto_window,
     best_window,

@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 
 from adaptipe.errors import PlanError
-from adaptipe.monitor.bandwidth import probe
 from adaptipe.profile.children import run_children
 from adaptipe.profile.corun import profile_co_running
-from adaptipe.profile.link import probe_link
+from adaptipe.profile.link import probe, probe_link
 
 
 class _FakeLink:

@@ -9,10 +9,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from adaptipe.models import get_model
+from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads, deferred_linear
 from adaptipe.runtime.data import split_microbatches
 from adaptipe.runtime.stage import LayerSlot, StageExecutor
 from adaptipe.runtime.transport import P2PTransport
-from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads, deferred_linear
 from adaptipe.schedule.build import build_schedule
 
 

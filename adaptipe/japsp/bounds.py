@@ -104,12 +104,37 @@ def drain_fits(
     order is pruned when the bound with unplaced jobs at their earliest release misses.
     After ``effort`` partial orders the answer is True (not proven infeasible).
     """
-    n = len(flow)
-    rel = [math.inf] * n
-    for r, i in fixed:
-        rel[i] = r
+    drain = _Drain(work, fixed, flow, target, effort)
+    if not work:
+        return drain.value() <= target
+    # the longest drains first: try that order whole before searching
+    order = sorted(range(len(work)), key=lambda x: -(work[x][2] + sum(flow[work[x][4]])))
+    return drain.fits_in(order) or drain.search(len(work))
 
-    def value() -> float:
+
+class _Drain:
+    """One `drain_fits` search: the flow items' releases (inf: not yet released) and the
+    ``(h, w)`` of the jobs placed on ``M`` so far, by ``h``."""
+
+    def __init__(
+        self,
+        work: Sequence[tuple[float, float, float, float, int]],
+        fixed: Sequence[tuple[float, int]],
+        flow: Sequence[tuple[float, float, float]],
+        target: float,
+        effort: int,
+    ) -> None:
+        self.work, self.flow, self.target, self.effort = work, flow, target, effort
+        self.rel = [math.inf] * len(flow)
+        for r, i in fixed:
+            self.rel[i] = r
+        self.hws: list[tuple[float, float]] = []
+        self.used = [False] * len(work)
+        self.spent = 0
+
+    def value(self) -> float:
+        """The flow's least end over every release time ``tau`` (Johnson's F2 bound)."""
+        rel, flow, n = self.rel, self.flow, len(self.flow)
         best = -math.inf
         for tau in set(rel):
             if tau == math.inf:
@@ -127,16 +152,11 @@ def drain_fits(
                 best = c2 + qmin
         return best
 
-    k = len(work)
-    if not k:
-        return value() <= target
-    hws: list[tuple[float, float]] = []  # (h, w) of the jobs placed so far, by h
-    used = [False] * k
-
-    def finish(h0: float, w0: float) -> float:
+    def finish(self, h0: float, w0: float) -> float:
+        """When ``M`` ends the placed jobs' work and ``w0`` (not before ``h0``), by ``h``."""
         t = -math.inf
         placed = False
-        for h, w in hws:
+        for h, w in self.hws:
             if not placed and h0 < h:
                 t = (t if t > h0 else h0) + w0
                 placed = True
@@ -145,61 +165,62 @@ def drain_fits(
             t = (t if t > h0 else h0) + w0
         return t
 
-    # the longest drains first: try that order whole before searching
-    order = sorted(range(k), key=lambda x: -(work[x][2] + sum(flow[work[x][4]])))
-    for x in order:
-        h, w, lag, floor, i = work[x]
-        r = finish(h, w) + lag
-        rel[i] = r if r > floor else floor
+    def release(self, x: int) -> int:
+        """Release job ``x``'s item as if it left ``M`` after the placed jobs; its index."""
+        h, w, lag, floor, i = self.work[x]
+        r = self.finish(h, w) + lag
+        self.rel[i] = r if r > floor else floor
+        return i
+
+    def place(self, x: int) -> int:
+        """Add job ``x``'s ``(h, w)`` to the placed jobs; its position there."""
+        h, w = self.work[x][0], self.work[x][1]
         pos = 0
-        while pos < len(hws) and hws[pos][0] <= h:
+        while pos < len(self.hws) and self.hws[pos][0] <= h:
             pos += 1
-        hws.insert(pos, (h, w))
-    if value() <= target:
-        return True
-    hws.clear()
-    for x in order:
-        rel[work[x][4]] = math.inf
+        self.hws.insert(pos, (h, w))
+        return pos
 
-    spent = 0
+    def fits_in(self, order: Sequence[int]) -> bool:
+        """Whether the jobs leaving ``M`` in ``order`` fit; the state is reset after."""
+        for x in order:
+            self.release(x)
+            self.place(x)
+        if self.value() <= self.target:
+            return True
+        self.hws.clear()
+        for x in order:
+            self.rel[self.work[x][4]] = math.inf
+        return False
 
-    def search(left: int) -> bool:
-        nonlocal spent
-        spent += 1
-        if spent > effort:
+    def search(self, left: int) -> bool:
+        """Depth first over which unplaced job leaves ``M`` next, longest drain first."""
+        self.spent += 1
+        if self.spent > self.effort:
             return True
         kids: list[tuple[float, int]] = []
-        for x in range(k):
-            if not used[x]:
-                h, w, lag, floor, i = work[x]
-                r = finish(h, w) + lag
-                rel[i] = r if r > floor else floor
-                y, z, q = flow[i]
-                kids.append((-(lag + y + z + q), x))
-        fits = value() <= target
+        for x in range(len(self.work)):
+            if not self.used[x]:
+                i = self.release(x)
+                y, z, q = self.flow[i]
+                kids.append((-(self.work[x][2] + y + z + q), x))
+        fits = self.value() <= self.target
         for _, x in kids:
-            rel[work[x][4]] = math.inf
+            self.rel[self.work[x][4]] = math.inf
         if not fits or left == 1:
             return fits
         kids.sort()
         for _, x in kids:
-            h, w, lag, floor, i = work[x]
-            r = finish(h, w) + lag
-            rel[i] = r if r > floor else floor
-            used[x] = True
-            pos = 0
-            while pos < len(hws) and hws[pos][0] <= h:
-                pos += 1
-            hws.insert(pos, (h, w))
-            fits = search(left - 1)
-            rel[i] = math.inf
-            hws.pop(pos)
-            used[x] = False
+            i = self.release(x)
+            self.used[x] = True
+            pos = self.place(x)
+            fits = self.search(left - 1)
+            self.rel[i] = math.inf
+            self.hws.pop(pos)
+            self.used[x] = False
             if fits:
                 return True
         return False
-
-    return search(k)
 
 
 def edge_find(

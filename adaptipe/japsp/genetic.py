@@ -160,6 +160,53 @@ def _seeds(
     return out
 
 
+_Individual = tuple[float, list[int]]  # (makespan, chromosome)
+
+
+class _Ga:
+    """What the GA's steps share: the table, its lower bound, the work budget and the
+    population's random stream (one stream, drawn in a fixed order: a seed's schedule)."""
+
+    ts_iters = 150
+
+    def __init__(
+        self,
+        tab: OpTable,
+        budget: SearchBudget,
+        lb: float,
+        rng: random.Random,
+        local_search: bool,
+    ) -> None:
+        self.tab, self.budget, self.lb, self.rng = tab, budget, lb, rng
+        self.local_search = local_search
+
+    def decoded(self, ch: list[int]) -> _Individual:
+        self.budget.spend(2 * self.tab.n)  # the decoder's gap search costs about two passes
+        return decode(self.tab, ch)[2], ch
+
+    def orders_of(self, ch: list[int]) -> Seqs:
+        self.budget.spend(2 * self.tab.n)
+        return decode(self.tab, ch)[0]
+
+    def polish(self, seqs: Seqs) -> _Individual:
+        """Macro job moves and tabu search, alternating while the moves pay."""
+        tab, budget, rng = self.tab, self.budget, self.rng
+        res = semi_active(tab, seqs)
+        assert res is not None
+        budget.spend(tab.n)
+        start, mk = res
+        for rnd in range(3 if self.local_search else 0):
+            seqs, moved = job_moves(tab, seqs, mk, rng=rng, tries=200, budget=budget)
+            if rnd and moved >= mk - _EPS:
+                break
+            seqs, start, mk = tabu_search(
+                tab, seqs, iters=self.ts_iters, rng=rng, floor=self.lb, budget=budget
+            )
+        ch = _chromosome(tab, start)
+        budget.spend(tab.n)  # the sort by start
+        return self.decoded(ch)  # decoding left-shifts, so never worse than mk
+
+
 def solve_ga(
     inst: JapspInstance,
     *,
@@ -192,99 +239,27 @@ def solve_ga(
     )
     lb = lower_bound(tab)
     rng = random.Random(seed)
+    ga = _Ga(tab, budget, lb, rng, local_search)
     size = population or 30
     cap = generations if generations is not None else 1 << 30
-    jobs = tab.jobs
-    ts_iters = 150
-
-    def polish(seqs: Seqs) -> tuple[float, list[int]]:
-        """Macro job moves and tabu search, alternating while the moves pay."""
-        res = semi_active(tab, seqs)
-        assert res is not None
-        budget.spend(tab.n)
-        start, mk = res
-        for rnd in range(3 if local_search else 0):
-            seqs, moved = job_moves(tab, seqs, mk, rng=rng, tries=200, budget=budget)
-            if rnd and moved >= mk - _EPS:
-                break
-            seqs, start, mk = tabu_search(
-                tab, seqs, iters=ts_iters, rng=rng, floor=lb, budget=budget
-            )
-        ch = _chromosome(tab, start)
-        budget.spend(tab.n)  # the sort by start
-        return decoded(ch)  # decoding left-shifts, so never worse than mk
-
-    def decoded(ch: list[int]) -> tuple[float, list[int]]:
-        budget.spend(2 * tab.n)  # the decoder's gap search costs about two passes
-        return decode(tab, ch)[2], ch
-
-    def orders_of(ch: list[int]) -> Seqs:
-        budget.spend(2 * tab.n)
-        return decode(tab, ch)[0]
-
-    # Small arrays: tabu search from the best job orders' 1F1B, on the side. Kept out of
-    # the population (polished seeds there pull it into their basin) and out of its
-    # random stream; the better of the two answers is returned.
-    side: tuple[float, Seqs] | None = None
-    side_rng = random.Random(seed ^ 0x5EED)
     by_job_order = _sequence_seeds(tab, budget)
-    # The best order gets three tries (tabu's tie-breaks are random), the others one.
-    starts = [*by_job_order[:1], *by_job_order[:1], *by_job_order]
-    for seqs in starts if local_search else []:
-        if budget.exhausted() or (side is not None and side[0] <= lb + _EPS):
-            break
-        found, _, mk = tabu_search(
-            tab, [list(s) for s in seqs], iters=ts_iters, rng=side_rng, floor=lb, budget=budget
-        )
-        if side is None or mk < side[0] - _EPS:
-            side = (mk, found)
+    side = _side_search(ga, by_job_order, random.Random(seed ^ 0x5EED))
     if side is not None and side[0] <= lb + _EPS:  # met the lower bound: nothing to find
         return _result(tab, side[1], lb, t0, budget, "clock" if budget.clock_hit else "bound")
-    pop = []
-    for seqs in _seeds(tab, inst, initial, rng, budget, by_job_order):
-        res = semi_active(tab, seqs)
-        assert res is not None
-        budget.spend(tab.n)
-        pop.append(decoded(_chromosome(tab, res[0])))
-    pop.sort(key=lambda x: x[0])
-    for i in range(min(4, len(pop))):  # polish the best seeds
-        if i and (budget.exhausted() or pop[0][0] <= lb + _EPS):
-            break
-        pop[i] = polish(orders_of(pop[i][1]))
-    base = [g for j in range(jobs) for g in [j] * (2 * tab.stages)]
-    while len(pop) < size:
-        ch = list(base)
-        rng.shuffle(ch)
-        pop.append(decoded(ch))
-    pop.sort(key=lambda x: x[0])
+    pop = _first_population(ga, inst, initial, by_job_order, size)
     best = pop[0]
     elite = max(2, size // 10)
     gen = stale = 0
     while gen < cap and best[0] > lb + _EPS and not budget.exhausted():
         gen += 1
-        nxt = pop[:elite]
-        while len(nxt) < size and not budget.exhausted():
-            a = min(rng.sample(pop, 3), key=lambda x: x[0])
-            b = min(rng.sample(pop, 3), key=lambda x: x[0])
-            child = _pox(rng, a[1], b[1], jobs) if rng.random() < 0.9 else list(a[1])
-            if rng.random() < 0.4:
-                _mutate(rng, child, jobs)
-            budget.spend(tab.n)  # the crossover and mutation pass over the genes
-            nxt.append(decoded(child))
-        # polish the best child; replace a random one by the best, kicked and polished
-        k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)
-        nxt[k] = polish(orders_of(nxt[k][1]))
-        if len(nxt) > elite + 1:
-            k = rng.randrange(elite, len(nxt))
-            nxt[k] = polish(kick(tab, orders_of(best[1]), rng, budget))
-        pop = sorted(nxt, key=lambda x: x[0])
+        pop = _next_generation(ga, pop, best, size, elite)
         if pop[0][0] < best[0] - _EPS:
             best, stale = pop[0], 0
         else:
             stale += 1
         if stale >= 25:  # restart around the best: keep it, re-randomise the rest
             stale = 0
-            pop = [best] + [decoded(_shuffled(rng, best[1], jobs)) for _ in range(size - 1)]
+            pop = [best] + [ga.decoded(_shuffled(rng, best[1], tab.jobs)) for _ in range(size - 1)]
             pop.sort(key=lambda x: x[0])
     seqs, _, _ = decode(tab, best[1])
     if side is not None and side[0] < best[0] - _EPS:
@@ -292,6 +267,86 @@ def solve_ga(
     # what ended it: the clock cutting any search short (a rerun may end elsewhere) first
     ended = "bound" if best[0] <= lb + _EPS else "generations" if gen >= cap else "work"
     return _result(tab, seqs, lb, t0, budget, "clock" if budget.clock_hit else ended)
+
+
+def _side_search(
+    ga: _Ga, by_job_order: list[Seqs], side_rng: random.Random
+) -> tuple[float, Seqs] | None:
+    """Small arrays: tabu search from the best job orders' 1F1B, on the side.
+
+    Kept out of the population (polished seeds there pull it into their basin) and out
+    of its random stream; the better of the two answers is returned.
+    """
+    side: tuple[float, Seqs] | None = None
+    # The best order gets three tries (tabu's tie-breaks are random), the others one.
+    starts = [*by_job_order[:1], *by_job_order[:1], *by_job_order]
+    for seqs in starts if ga.local_search else []:
+        if ga.budget.exhausted() or (side is not None and side[0] <= ga.lb + _EPS):
+            break
+        found, _, mk = tabu_search(
+            ga.tab,
+            [list(s) for s in seqs],
+            iters=ga.ts_iters,
+            rng=side_rng,
+            floor=ga.lb,
+            budget=ga.budget,
+        )
+        if side is None or mk < side[0] - _EPS:
+            side = (mk, found)
+    return side
+
+
+def _first_population(
+    ga: _Ga,
+    inst: JapspInstance,
+    initial: Orders | None,
+    by_job_order: list[Seqs],
+    size: int,
+) -> list[_Individual]:
+    """The seeds (`_seeds`), the best four polished, then random chromosomes up to
+    ``size``; sorted by makespan."""
+    tab = ga.tab
+    pop = []
+    for seqs in _seeds(tab, inst, initial, ga.rng, ga.budget, by_job_order):
+        res = semi_active(tab, seqs)
+        assert res is not None
+        ga.budget.spend(tab.n)
+        pop.append(ga.decoded(_chromosome(tab, res[0])))
+    pop.sort(key=lambda x: x[0])
+    for i in range(min(4, len(pop))):  # polish the best seeds
+        if i and (ga.budget.exhausted() or pop[0][0] <= ga.lb + _EPS):
+            break
+        pop[i] = ga.polish(ga.orders_of(pop[i][1]))
+    base = [g for j in range(tab.jobs) for g in [j] * (2 * tab.stages)]
+    while len(pop) < size:
+        ch = list(base)
+        ga.rng.shuffle(ch)
+        pop.append(ga.decoded(ch))
+    pop.sort(key=lambda x: x[0])
+    return pop
+
+
+def _next_generation(
+    ga: _Ga, pop: list[_Individual], best: _Individual, size: int, elite: int
+) -> list[_Individual]:
+    """The elite, then children of tournament parents (POX, mutation); the best child is
+    polished and a random one replaced by the best, kicked and polished. Sorted."""
+    tab, rng, jobs = ga.tab, ga.rng, ga.tab.jobs
+    nxt = pop[:elite]
+    while len(nxt) < size and not ga.budget.exhausted():
+        a = min(rng.sample(pop, 3), key=lambda x: x[0])
+        b = min(rng.sample(pop, 3), key=lambda x: x[0])
+        child = _pox(rng, a[1], b[1], jobs) if rng.random() < 0.9 else list(a[1])
+        if rng.random() < 0.4:
+            _mutate(rng, child, jobs)
+        ga.budget.spend(tab.n)  # the crossover and mutation pass over the genes
+        nxt.append(ga.decoded(child))
+    k = min(range(elite, len(nxt)), key=lambda i: nxt[i][0], default=0)
+    nxt[k] = ga.polish(ga.orders_of(nxt[k][1]))
+    if len(nxt) > elite + 1:
+        k = rng.randrange(elite, len(nxt))
+        nxt[k] = ga.polish(kick(tab, ga.orders_of(best[1]), rng, ga.budget))
+    return sorted(nxt, key=lambda x: x[0])
 
 
 def _result(

@@ -2,7 +2,10 @@
 
 AutoPipe and DynPipe both plan with per-link bandwidth, and on a shared cluster it
 drifts. Measuring the activations and gradients the pipeline sends anyway costs
-nothing extra; the probe is for start-up, before any transfer has happened.
+nothing extra; the probe is for start-up, before any transfer has happened. Its fit is
+the profiler's (`adaptipe.profile.link.probe`, which the layer profile's link
+measurement needs too); :func:`probe` here only reports bad arguments as telemetry
+errors.
 
 A send is timed from the moment the stage posts it to the moment it completes. The
 stage computes for tens of milliseconds between transport calls, so completion is not
@@ -19,14 +22,14 @@ import contextlib
 import math
 import os
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from adaptipe.monitor.schema import LinkSample, MonitorError
+from adaptipe.profile import link as _link
+from adaptipe.profile.link import ProbeResult
 
 __all__ = [
     "BusyTally",
@@ -375,53 +378,17 @@ class LinkTimer:
         return all([w.close(timeout_s) for w in self._watchers.values()])
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeResult:
-    """Round trips per size and the one-way ``latency + size / bandwidth`` fit."""
-
-    sizes: tuple[int, ...]
-    rtt_s: tuple[float, ...]  # per size, the repeats reduced (by default the fastest)
-    latency_s: float
-    bandwidth_Bps: float
-
-
 def probe(
     send_fn: Callable[[bytes], None],
     recv_fn: Callable[[], object],
-    sizes: Sequence[int] = (1 << 10, 1 << 16, 1 << 20),
+    sizes: Sequence[int] = _link.PROBE_SIZES,
     *,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     reduce: Callable[[list[float]], float] = min,
 ) -> ProbeResult:
-    """Time echo round trips of each size and fit latency and bandwidth.
-
-    ``send_fn(payload)`` sends the payload to the peer, which echoes it back;
-    ``recv_fn()`` returns when the echo has arrived. Each round trip moves the payload
-    twice, so one-way time is half the round trip. ``reduce`` turns a size's repeats
-    into one round trip: the fastest (default) is the link's capacity, since
-    interference only ever adds time; the median is what a typical transfer costs.
-    With one size the latency is taken as 0.
-    """
+    """Time echo round trips of each size and fit latency and bandwidth
+    (`adaptipe.profile.link.probe`); bad arguments raise :class:`MonitorError`."""
     if not sizes or min(sizes) < 1 or repeats < 1:
         raise MonitorError(f"probe needs sizes >= 1 and repeats >= 1 (got {sizes}, {repeats})")
-    rtts: list[float] = []
-    for size in sizes:
-        payload = bytes(size)
-        times: list[float] = []
-        for _ in range(repeats):
-            t0 = clock()
-            send_fn(payload)
-            recv_fn()
-            times.append(clock() - t0)
-        rtts.append(reduce(times))
-    one_way = [r / 2 for r in rtts]
-    if len(set(sizes)) > 1:
-        slope, latency = statistics.linear_regression([float(s) for s in sizes], one_way)
-    else:
-        slope, latency = one_way[0] / sizes[0], 0.0
-    if slope <= 0:  # noise swamped the size dependence: report the best observed rate
-        slope = min(t / s for s, t in zip(sizes, one_way, strict=True))
-    return ProbeResult(
-        tuple(sizes), tuple(rtts), max(latency, 0.0), 1.0 / slope if slope > 0 else math.inf
-    )
+    return _link.probe(send_fn, recv_fn, sizes, repeats=repeats, clock=clock, reduce=reduce)

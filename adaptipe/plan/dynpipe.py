@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptipe.errors import PlanError
-from adaptipe.plan.condense import condense
+from adaptipe.plan.condense import Condensed, condense
 from adaptipe.plan.partition import Partition
 from adaptipe.plan.staleness import StalenessModel
 from adaptipe.profile.types import Profile
@@ -147,6 +147,47 @@ def _check_stages(value: int, n: int, model: str, name: str, unit: str) -> None:
         )
 
 
+def _condense(profile: Profile, top_k: int, bandwidth_Bps: float | Sequence[float]) -> Condensed:
+    """Algorithm 2's top_k blocks; ranking layers by communication needs one bandwidth,
+    so the slowest link's."""
+    if isinstance(bandwidth_Bps, int | float):
+        slowest = float(bandwidth_Bps)
+    else:
+        slowest = min(bandwidth_Bps, default=math.inf)
+    return condense(profile, top_k, bandwidth_Bps=slowest)
+
+
+def _stage_counts(
+    work: Profile,
+    *,
+    num_stages: int | None,
+    max_stages: int | None,
+    bandwidth_Bps: float | Sequence[float],
+    staleness: StalenessModel | None,
+    unit: str,
+) -> tuple[list[float], list[int]]:
+    """The boundary bandwidths and the stage counts to try: ``num_stages`` alone, or
+    Algorithm 1's S = 1..max_stages (checked, at most one stage per layer or block)."""
+    n = work.num_layers
+    if num_stages is not None:
+        if max_stages is not None:
+            raise PlanError("plan_dynpipe: give num_stages or max_stages, not both")
+        _check_stages(num_stages, n, work.model, "dynpipe", unit)
+        return link_bandwidths(bandwidth_Bps, num_stages - 1), [num_stages]
+    if staleness is None:
+        raise PlanError(
+            "plan_dynpipe: choosing the stage count needs a StalenessModel (Eq. 3); "
+            "give staleness=... or num_stages=..."
+        )
+    if max_stages is None:
+        max_stages = n if isinstance(bandwidth_Bps, int | float) else len(bandwidth_Bps) + 1
+    if isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1:
+        raise PlanError(f"max_stages must be an integer >= 1 (got {max_stages!r})")
+    # More stages than layers (blocks) cannot exist: Algorithm 1's S <= N meets S <= M.
+    bws = link_bandwidths(bandwidth_Bps, min(max_stages, n) - 1, exact=False)
+    return bws, list(range(1, min(max_stages, n) + 1))
+
+
 def plan_dynpipe(
     profile: Profile,
     *,
@@ -173,34 +214,17 @@ def plan_dynpipe(
     condensed = None
     work = profile
     if top_k is not None:
-        # Ranking layers by communication needs one bandwidth: take the slowest link.
-        if isinstance(bandwidth_Bps, int | float):
-            slowest = float(bandwidth_Bps)
-        else:
-            slowest = min(bandwidth_Bps, default=math.inf)
-        condensed = condense(profile, top_k, bandwidth_Bps=slowest)
+        condensed = _condense(profile, top_k, bandwidth_Bps)
         work = condensed.profile
     n = work.num_layers
-    unit = "blocks" if condensed else "layers"
-    if num_stages is not None:
-        if max_stages is not None:
-            raise PlanError("plan_dynpipe: give num_stages or max_stages, not both")
-        _check_stages(num_stages, n, work.model, "dynpipe", unit)
-        bws = link_bandwidths(bandwidth_Bps, num_stages - 1)
-        tried = [num_stages]
-    else:
-        if staleness is None:
-            raise PlanError(
-                "plan_dynpipe: choosing the stage count needs a StalenessModel (Eq. 3); "
-                "give staleness=... or num_stages=..."
-            )
-        if max_stages is None:
-            max_stages = n if isinstance(bandwidth_Bps, int | float) else len(bandwidth_Bps) + 1
-        if isinstance(max_stages, bool) or not isinstance(max_stages, int) or max_stages < 1:
-            raise PlanError(f"max_stages must be an integer >= 1 (got {max_stages!r})")
-        # More stages than layers (blocks) cannot exist: Algorithm 1's S <= N meets S <= M.
-        bws = link_bandwidths(bandwidth_Bps, min(max_stages, n) - 1, exact=False)
-        tried = list(range(1, min(max_stages, n) + 1))
+    bws, tried = _stage_counts(
+        work,
+        num_stages=num_stages,
+        max_stages=max_stages,
+        bandwidth_Bps=bandwidth_Bps,
+        staleness=staleness,
+        unit="blocks" if condensed else "layers",
+    )
     table, arg = _tables(work, max(tried), bws)
 
     def expand(bounds: tuple[int, ...]) -> list[int]:

@@ -3,7 +3,7 @@
 Two processes on this host, pinned to one core each as the stage workers pin themselves
 (threads 1), join a ``torch.distributed`` group over loopback and time echo round
 trips of tensors with point-to-point ``send``/``recv``; the one-way ``latency + bytes /
-bandwidth`` fit (`adaptipe.monitor.bandwidth.probe`) is what the simulator's cost model
+bandwidth`` fit (`probe`, also telemetry's start-up probe) is what the simulator's cost model
 takes (``CostModel.from_profile(..., latency_s=, bandwidth_Bps=)``). On gloo this
 includes the Python and gloo overheads a real transfer pays at both ends, which on a
 small CPU machine are most of a stage boundary's cost (about 0.4 ms per 256 KB transfer
@@ -12,18 +12,73 @@ here, against nothing in a model without links).
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from adaptipe.errors import PlanError
-from adaptipe.monitor.bandwidth import ProbeResult
 from adaptipe.profile.children import free_port, pin_to_core, run_children
 
-__all__ = ["probe_link"]
+__all__ = ["PROBE_SIZES", "ProbeResult", "probe", "probe_link"]
 
 _SIZES = (4 << 10, 256 << 10, 1 << 20)
+PROBE_SIZES = (1 << 10, 1 << 16, 1 << 20)  # `probe`'s default
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """Round trips per size and the one-way ``latency + size / bandwidth`` fit."""
+
+    sizes: tuple[int, ...]
+    rtt_s: tuple[float, ...]  # per size, the repeats reduced (by default the fastest)
+    latency_s: float
+    bandwidth_Bps: float
+
+
+def probe(
+    send_fn: Callable[[bytes], None],
+    recv_fn: Callable[[], object],
+    sizes: Sequence[int] = PROBE_SIZES,
+    *,
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+    reduce: Callable[[list[float]], float] = min,
+) -> ProbeResult:
+    """Time echo round trips of each size and fit latency and bandwidth.
+
+    ``send_fn(payload)`` sends the payload to the peer, which echoes it back;
+    ``recv_fn()`` returns when the echo has arrived. Each round trip moves the payload
+    twice, so one-way time is half the round trip. ``reduce`` turns a size's repeats
+    into one round trip: the fastest (default) is the link's capacity, since
+    interference only ever adds time; the median is what a typical transfer costs.
+    With one size the latency is taken as 0.
+    """
+    if not sizes or min(sizes) < 1 or repeats < 1:
+        raise PlanError(f"probe needs sizes >= 1 and repeats >= 1 (got {sizes}, {repeats})")
+    rtts: list[float] = []
+    for size in sizes:
+        payload = bytes(size)
+        times: list[float] = []
+        for _ in range(repeats):
+            t0 = clock()
+            send_fn(payload)
+            recv_fn()
+            times.append(clock() - t0)
+        rtts.append(reduce(times))
+    one_way = [r / 2 for r in rtts]
+    if len(set(sizes)) > 1:
+        slope, latency = statistics.linear_regression([float(s) for s in sizes], one_way)
+    else:
+        slope, latency = one_way[0] / sizes[0], 0.0
+    if slope <= 0:  # noise swamped the size dependence: report the best observed rate
+        slope = min(t / s for s, t in zip(sizes, one_way, strict=True))
+    return ProbeResult(
+        tuple(sizes), tuple(rtts), max(latency, 0.0), 1.0 / slope if slope > 0 else math.inf
+    )
 
 
 def _side(
@@ -41,8 +96,6 @@ def _side(
     try:
         import torch
         import torch.distributed as dist
-
-        from adaptipe.monitor.bandwidth import probe
 
         pin_to_core(rank)
         torch.set_num_threads(1)

@@ -8,7 +8,7 @@ w.r.t. the model's input. Bytes come from the tensors themselves: the output (se
 forward), the gradient w.r.t. the input (sent backward), and what autograd saves for
 backward (the activation stash), found with ``saved_tensors_hooks``.
 
-For runs with batched weight gradients (`adaptipe.runtime.wgrad`), ``wgrad_microbatches``
+For runs with batched weight gradients (`adaptipe.profile.wgrad`), ``wgrad_microbatches``
 > 0 also times each layer's backward with its Linear weight gradients deferred, and the
 deferred weight gradients of that many micro-batches computed at once, as the stage
 does before its optimizer step.
@@ -26,6 +26,7 @@ import torch
 
 from adaptipe.errors import PlanError
 from adaptipe.profile.types import LayerProfile, Profile
+from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads
 
 if TYPE_CHECKING:
     from adaptipe.models import ModelSpec
@@ -127,9 +128,6 @@ def _time_deferred(
 ) -> tuple[float, float, int]:
     """(backward with Linear weight gradients deferred, their flush for ``microbatches``,
     the bytes one micro-batch keeps for them until the flush)."""
-    # Imported here: the runtime package pulls in much more than profiling needs.
-    from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
-
     recorder = WeightGradStash()
     with defer_weight_grads([layer], recorder):
         _, backward_s = _time_layer(run, grad_for, warmup=warmup, repeats=repeats, device=device)

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
+from adaptipe.runtime.jobs import JobSpec
 from adaptipe.runtime.slots import draws_random
-from adaptipe.runtime.sweep import JobSpec
 
 __all__ = ["Binder", "JobLayerState", "refuse_unbindable"]
 

@@ -16,7 +16,7 @@ parameters' ``.grad`` before the step (dissertation §2.4, §3.2.1).
 Batched weight gradients (``batch_weight_grads``, synchronous schedules of one job):
 a micro-batch's backward through an ``nn.Linear`` computes only the input gradient; the
 weight gradients of all micro-batches are one GEMM each, right before the optimizer step
-(`adaptipe.runtime.wgrad`).
+(`adaptipe.profile.wgrad`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, TensorSpec, TransferKey, Transport
-from adaptipe.runtime.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.schedule.types import (
     Backward,
     Forward,

@@ -54,10 +54,12 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from adaptipe.errors import PlanError
-from adaptipe.japsp.cpsat import available as cpsat_available
-from adaptipe.japsp.cpsat import missing_ortools
-from adaptipe.japsp.window import auto_window
+from adaptipe.runtime.jobs import JobSpec
 from adaptipe.serial import get_float, get_int, get_list, get_str
+
+# The JAPSP solvers (adaptipe.japsp.window, .cpsat) are imported where a window is sized
+# or cpsat is checked, not with this module: what imports `JobSpec` through here (the
+# stage executor did) should not load them.
 
 __all__ = [
     "JOB_FIELDS",
@@ -100,30 +102,6 @@ _SWEEP_FIELDS = (
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class JobSpec:
-    """One sibling job: its hyper-parameters, weight-init ``seed`` and ``data_seed``."""
-
-    index: int
-    name: str
-    optimizer: Any  # OptimizerSection (kept untyped here to avoid an import cycle)
-    batch_size: int
-    seed: int
-    data_seed: int
-
-    def to_dict(self) -> dict[str, Any]:
-        opt = {f.name: getattr(self.optimizer, f.name) for f in fields(self.optimizer)}
-        opt["betas"] = list(opt["betas"])
-        opt["optimizer"] = opt.pop("name")  # a job's "name" is the job's
-        return {
-            **opt,
-            "name": self.name,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "data_seed": self.data_seed,
-        }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SweepSection:
     jobs: tuple[JobSpec, ...]
     solver: str = "auto"
@@ -135,7 +113,11 @@ class SweepSection:
 
     def rounds(self, jobs: int, stages: int) -> int:
         """Iterations per window for ``jobs`` running jobs over ``stages`` stages."""
-        return self.window if isinstance(self.window, int) else auto_window(jobs, stages)
+        if isinstance(self.window, int):
+            return self.window
+        from adaptipe.japsp.window import auto_window
+
+        return auto_window(jobs, stages)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k != "jobs"}
@@ -217,6 +199,8 @@ def parse_sweep(
         )
     solver = get_str(raw, "solver", choices=SOLVER_NAMES, default="auto", **kw)
     if strict and solver == "cpsat" and not cpsat_available():
+        from adaptipe.japsp.cpsat import missing_ortools
+
         others = ", ".join(s for s in SOLVER_NAMES if s != "cpsat")
         raise missing_ortools(f"{source}:", f"; or use another solver: {others}")
     return SweepSection(
@@ -228,6 +212,13 @@ def parse_sweep(
         halving_keep=keep,
         time_limit_s=limit,
     )
+
+
+def cpsat_available() -> bool:
+    """Whether OR-Tools is importable (`adaptipe.japsp.cpsat.available`)."""
+    from adaptipe.japsp.cpsat import available
+
+    return available()
 
 
 def _window(raw: Mapping[str, Any], source: str) -> int | str:

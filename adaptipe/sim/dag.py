@@ -29,6 +29,7 @@ from adaptipe.schedule.types import (
     SendActivation,
     SendGradient,
 )
+from adaptipe.schedule.walk import walk
 from adaptipe.sim.memory import memory_events
 
 __all__ = ["CompiledSchedule", "compile_schedule"]
@@ -136,23 +137,10 @@ def _topological_order(
     schedule: Schedule, sends: dict[tuple[int, int], tuple[int, Link]], recvs: list[dict[int, int]]
 ) -> list[tuple[int, int]]:
     """Advance every worker until it blocks on a transfer not yet posted; raise on deadlock."""
-    pc = [0] * schedule.num_stages
-    posted: set[int] = set()
-    order: list[tuple[int, int]] = []
-    while True:
-        progress = False
-        for s, stage in enumerate(schedule.stages):
-            while pc[s] < len(stage):
-                i = pc[s]
-                if i in recvs[s] and recvs[s][i] not in posted:
-                    break
-                if (s, i) in sends:
-                    posted.add(sends[(s, i)][0])
-                order.append((s, i))
-                pc[s] += 1
-                progress = True
-        if not progress:
-            break
+    posts: list[dict[int, int]] = [{} for _ in schedule.stages]
+    for (s, i), (xid, _) in sends.items():
+        posts[s][i] = xid
+    order, pc = walk([len(stage) for stage in schedule.stages], recvs, posts)
     blocked = [s for s, stage in enumerate(schedule.stages) if pc[s] < len(stage)]
     if blocked:
         parts = []
