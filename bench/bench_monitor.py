@@ -4,8 +4,8 @@ Default mode, per message: a collector runs in its own process, as the manager w
 The stage side measures (1) the CPU cost of one StageStats publish (build with
 validation, encode, queue) and of queueing a ready frame, and (2) the CPU share of the
 device-sampler thread at its default interval. The overhead ratio is for a 50 ms
-iteration that publishes one StageStats and carries a sample every 200 ms; DESIGN.md
-asks for monitoring and control together to stay under 1%.
+iteration that publishes one StageStats and carries a sample every 200 ms; the target
+(docs/benchmarks.md, Targets) is monitoring and control together under 1%.
 
 ``--training``, end to end: the same run (2-stage ``mlp``, 1F1B, one thread per stage)
 trained with ``[train] telemetry = true`` (collector, stage stats, device sampler, link
