@@ -1,7 +1,10 @@
 """Run configs: ``adaptipe train CONFIG.toml`` reads one TOML file into frozen dataclasses.
 
 Everything is checked at load time, before any process starts, and errors name the
-file, the section and field, the value and what is allowed. A complete example::
+file, the section and field, the value and what is allowed. Parsing (`parse_config`,
+`RunConfig.parse`) never asks the host; `adaptipe.runtime.host.fit_to_host` checks a
+config against a host and fills in what depends on it (`load_config` does both). A
+complete example::
 
     [model]
     name = "gpt"                # mlp | gpt | cnn
@@ -52,20 +55,24 @@ import functools
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-import torch
-
 from adaptipe.errors import PlanError
 from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
-from adaptipe.models.spec import SPLITS, Split
 from adaptipe.plan.api import PLANNERS
 from adaptipe.plan.partition import Partition
-from adaptipe.runtime.sweep import OPTIMIZER_FIELDS, JobSpec, SweepSection, parse_sweep
-from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
+from adaptipe.runtime.config_sections import (
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    PipelineSection,
+    TrainSection,
+)
+from adaptipe.runtime.host import fit_to_host, resolve_backend, this_host
+from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json
 from adaptipe.units import parse_bandwidth
 
@@ -77,6 +84,7 @@ __all__ = [
     "RunConfig",
     "TrainSection",
     "load_config",
+    "parse_config",
     "resolve_backend",
 ]
 
@@ -84,115 +92,6 @@ T = TypeVar("T")
 _SECTIONS = ("model", "data", "optimizer", "pipeline", "train")
 _OPTIONAL_SECTIONS = ("sweep",)
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
-
-
-def _rule(
-    *, minimum: float | None = None, positive: bool = False, choices: tuple[str, ...] = ()
-) -> dict[str, Any]:
-    """Field metadata: the checks `_read` applies (``positive``: strictly > 0)."""
-    return {"minimum": minimum, "positive": positive, "choices": choices or None}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSection:
-    """The zoo model; `config` holds its full architecture (defaults filled in)."""
-
-    name: str
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def spec(self) -> ModelSpec:
-        return get_model(self.name, **self.config)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DataSection:
-    batch_size: int = field(metadata=_rule(minimum=1))
-    microbatches: int = field(metadata=_rule(minimum=1))
-    split: Split = field(default="train", metadata=_rule(choices=SPLITS))
-    seed: int = 0
-
-    @property
-    def microbatch_size(self) -> int:
-        return self.batch_size // self.microbatches
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerSection:
-    name: str = field(metadata=_rule(choices=tuple(OPTIMIZER_FIELDS)))
-    lr: float = field(metadata=_rule(positive=True))
-    momentum: float = field(default=0.0, metadata=_rule(minimum=0.0))
-    weight_decay: float = field(default=0.0, metadata=_rule(minimum=0.0))
-    nesterov: bool = False
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = field(default=1e-8, metadata=_rule(positive=True))
-
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        """The optimizer; ``foreach=False`` so that one optimizer over many parameters and
-        one per parameter (a pipeline split any way) give bitwise identical updates."""
-        common: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
-        if self.name == "sgd":
-            extra: dict[str, Any] = {"momentum": self.momentum, "nesterov": self.nesterov}
-            return torch.optim.SGD(params, foreach=False, **common, **extra)
-        kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
-        return kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
-
-    @property
-    def profile_kind(self) -> str:
-        """The optimizer the profiler times the step of (`profile_model(optimizer=...)`)."""
-        if self.name == "sgd":
-            return "momentum" if self.momentum > 0 else "sgd"
-        return self.name
-
-    def state_bytes_factor(self) -> int:
-        """Optimizer state per parameter byte: memory planning needs it before building."""
-        if self.name == "sgd":
-            return 1 if self.momentum > 0 else 0
-        return 2
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PipelineSection:
-    """`partition` is a planner name, an absolute Partition JSON path, or explicit bounds."""
-
-    stages: int = field(metadata=_rule(minimum=1))
-    schedule: str = field(default="1f1b", metadata=_rule(choices=SCHEDULE_NAMES))
-    virtual: int = field(default=1, metadata=_rule(minimum=1))
-    recompute: bool = False
-    batch_weight_grads: bool = False
-    partition: str | tuple[int, ...] = "even"
-    vertical_sync: bool = False
-    update_every: int | None = field(default=None, metadata=_rule(minimum=1))
-    bandwidth: str = "inf"
-
-    @property
-    def bandwidth_Bps(self) -> float:
-        return parse_bandwidth(self.bandwidth)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TrainSection:
-    """Exactly one of `iterations` and `epochs` is set; the rest is resolved at load."""
-
-    iterations: int | None = field(default=None, metadata=_rule(minimum=1))
-    epochs: int | None = field(default=None, metadata=_rule(minimum=1))
-    seed: int = 0
-    device: str = "cpu"
-    threads_per_stage: int = field(default=1, metadata=_rule(minimum=1))
-    checkpoint_every: int = field(default=0, metadata=_rule(minimum=0))
-    keep_checkpoints: int = field(default=0, metadata=_rule(minimum=0))
-    log_every: int = field(default=1, metadata=_rule(minimum=1))
-    backend: str = field(default="gloo", metadata=_rule(choices=("auto", "gloo", "nccl")))
-    timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
-    telemetry: bool = True
-    telemetry_interval_s: float = field(default=0.2, metadata=_rule(positive=True))
-    # Off by default: the per-peer watcher threads cost CPU that a small machine's stages
-    # need (on 2 cores, stage compute rose ~10-25% and a pinned CPU hog no longer showed).
-    link_telemetry: bool = False
-    # Record a per-instruction timeline of iterations trace_start .. +trace_iterations-1
-    # into RUN_DIR/trace/ (`adaptipe trace RUN_DIR` draws it); 0 records nothing.
-    trace_iterations: int = field(default=0, metadata=_rule(minimum=0))
-    trace_start: int = field(default=0, metadata=_rule(minimum=0))
-    run_dir: str = "runs/run"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -235,9 +134,18 @@ class RunConfig:
     def from_dict(
         cls, data: Mapping[str, Any], *, source: str = "config", strict: bool = True
     ) -> RunConfig:
-        """Read `to_dict`'s output (or a TOML file's tables); relative paths are taken
-        from the folder of `source`. ``strict=False`` reads a run directory's saved
-        config: checks added after it may have been written are skipped (`parse_sweep`)."""
+        """`parse`, then fitted to this host (`fit_to_host`): how a worker reads its run
+        directory's config (`RunDir.read_config`), checked against its own host."""
+        return fit_to_host(cls.parse(data, source=source, strict=strict), this_host())
+
+    @classmethod
+    def parse(
+        cls, data: Mapping[str, Any], *, source: str = "config", strict: bool = True
+    ) -> RunConfig:
+        """Read `to_dict`'s output (or a TOML file's tables) without asking the host;
+        relative paths are taken from the folder of `source`. ``strict=False`` reads a
+        run directory's saved config: checks added after it may have been written are
+        skipped (`parse_sweep`)."""
         return _parse(
             data, source=source, base=Path(source).parent, stem=Path(source).stem, strict=strict
         )
@@ -256,7 +164,14 @@ class RunConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> RunConfig:
-    """Read and check a run config; a relative partition path is taken from its folder."""
+    """Read and check a run config for this host: `parse_config`, then `fit_to_host`."""
+    return fit_to_host(parse_config(path), this_host())
+
+
+def parse_config(path: str | os.PathLike[str]) -> RunConfig:
+    """Read and check a run config without asking the host (a GPU config on a laptop);
+    a relative partition path is taken from its folder. What depends on the host is left
+    for `fit_to_host`: ``threads_per_stage`` unset (None), ``backend`` maybe ``"auto"``."""
     p = Path(path)
     try:
         text = p.read_text()
@@ -347,7 +262,7 @@ def _parse(
         parse_bandwidth(pipeline.bandwidth, what="[pipeline].bandwidth")
     except PlanError as exc:
         raise PlanError(f"{source}: {exc}") from None
-    train = _train(_table(data, "train", TrainSection, source), source, stem, pipeline.stages)
+    train = _train(_table(data, "train", TrainSection, source), source, stem)
     raw = _table(data, "data", DataSection, source)
     # The data order follows the run's seed unless [data].seed says otherwise.
     seed = {} if "seed" in raw else {"seed": train.seed}
@@ -438,15 +353,13 @@ def _partition(raw: Mapping[str, Any], source: str, base: Path) -> str | tuple[i
     )
 
 
-def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> TrainSection:
+def _train(raw: Mapping[str, Any], source: str, stem: str) -> TrainSection:
     length = [key for key in ("iterations", "epochs") if raw.get(key) is not None]
     if len(length) != 1:
         got = "both" if length else "neither"
         raise _fail(source, "[train]", f"needs exactly one of iterations or epochs (got {got})")
+    # threads_per_stage stays unset (None) and backend "auto": the host decides them.
     given: dict[str, Any] = {"backend": "auto", "run_dir": f"runs/{stem}"}
-    # One process per stage shares the machine's cores unless told otherwise.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    given["threads_per_stage"] = max(1, (cores or 1) // stages)
     train = _read(
         TrainSection, raw, source, "train", **{k: v for k, v in given.items() if raw.get(k) is None}
     )
@@ -459,49 +372,9 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
         )
     if not _DEVICE.match(device):
         raise _fail(source, "[train].device", f"must be cpu, cuda or cuda:N (got {device!r})")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= count:
-        why = "torch.cuda.is_available() is false" if not count else f"torch sees {count} devices"
-        allowed = f"cpu, cuda, cuda:0..cuda:{count - 1}" if count else "cpu"
-        raise _fail(source, "[train].device", f"is {device!r} but {why} (allowed here: {allowed})")
     if backend == "nccl" and device == "cpu":
         raise _fail(source, "[train].backend", "'nccl' needs a cuda device (got device 'cpu')")
-    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so it needs a GPU per
-    # stage: device "cuda" gives stage r cuda:(local rank). Gloo moves CUDA tensors
-    # through host memory, so any number of stages may share GPUs (`P2PTransport`).
-    local = _stages_per_host(stages)
-    if backend == "nccl" and local > 1 and not _own_gpus(device, local, count):
-        shared = (
-            f"all {local} stages would share {device}"
-            if device != "cuda"
-            else f"{local} stages on this host but torch sees {count} GPU{'s' * (count != 1)}"
-        )
-        raise _fail(
-            source,
-            "[train].backend",
-            f"'nccl' needs one GPU per stage ({shared}; NCCL refuses two ranks on one GPU); "
-            "use backend 'gloo', which moves activations through host memory, or 'auto' "
-            "(on several hosts, LOCAL_WORLD_SIZE gives the stages per host, as torchrun sets)",
-        )
-    return replace(train, backend=resolve_backend(backend, device, local, count))
-
-
-def _stages_per_host(stages: int) -> int:
-    """Stages on this host: torchrun's LOCAL_WORLD_SIZE, else all (`adaptipe train`)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return min(stages, int(local)) if local.isdigit() and int(local) > 0 else stages
-
-
-def _own_gpus(device: str, local_stages: int, gpus: int) -> bool:
-    return local_stages == 1 or (device == "cuda" and local_stages <= gpus)
-
-
-def resolve_backend(backend: str, device: str, local_stages: int, gpus: int) -> str:
-    """``auto``: NCCL when every stage on this host has a GPU of its own, else gloo."""
-    if backend != "auto":
-        return backend
-    cuda = device.startswith("cuda")
-    return "nccl" if cuda and _own_gpus(device, local_stages, gpus) else "gloo"
+    return train
 
 
 def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
@@ -547,15 +420,7 @@ def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
             f"needs a synchronous schedule (gpipe, 1f1b, interleaved; got {pipe.schedule!r})",
         )
     try:
-        build_schedule(
-            pipe.schedule,
-            stages=pipe.stages,
-            microbatches=data.microbatches,
-            chunks=pipe.virtual,
-            recompute=pipe.recompute,
-            vertical_sync=pipe.vertical_sync,
-            update_every=pipe.update_every,
-        )
+        pipe.schedule_for(data.microbatches)  # kept for `resolve_plans`
     except PlanError as exc:
         raise PlanError(f"{src}: [pipeline]: {exc}") from None
     total = pipe.stages * pipe.virtual

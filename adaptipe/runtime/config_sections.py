@@ -1,0 +1,176 @@
+"""The sections of a run config (`RunConfig`): one frozen dataclass per TOML table.
+
+Each field's metadata (`_rule`) says how `adaptipe.runtime.config` checks it when a file
+is read; defaults that depend on the host (``threads_per_stage``, ``backend = "auto"``)
+are filled in by `adaptipe.runtime.host.fit_to_host`, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from adaptipe.models import ModelSpec, get_model
+from adaptipe.models.spec import SPLITS, Split
+from adaptipe.runtime.sweep import OPTIMIZER_FIELDS
+from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
+from adaptipe.schedule.types import Schedule
+from adaptipe.units import parse_bandwidth
+
+__all__ = [
+    "DataSection",
+    "ModelSection",
+    "OptimizerSection",
+    "PipelineSection",
+    "TrainSection",
+]
+
+
+def _rule(
+    *, minimum: float | None = None, positive: bool = False, choices: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Field metadata: the checks `_read` applies (``positive``: strictly > 0)."""
+    return {"minimum": minimum, "positive": positive, "choices": choices or None}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSection:
+    """The zoo model; `config` holds its full architecture (defaults filled in)."""
+
+    name: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> ModelSpec:
+        return get_model(self.name, **self.config)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSection:
+    batch_size: int = field(metadata=_rule(minimum=1))
+    microbatches: int = field(metadata=_rule(minimum=1))
+    split: Split = field(default="train", metadata=_rule(choices=SPLITS))
+    seed: int = 0
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerSection:
+    name: str = field(metadata=_rule(choices=tuple(OPTIMIZER_FIELDS)))
+    lr: float = field(metadata=_rule(positive=True))
+    momentum: float = field(default=0.0, metadata=_rule(minimum=0.0))
+    weight_decay: float = field(default=0.0, metadata=_rule(minimum=0.0))
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = field(default=1e-8, metadata=_rule(positive=True))
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer; ``foreach=False`` so that one optimizer over many parameters and
+        one per parameter (a pipeline split any way) give bitwise identical updates."""
+        common: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if self.name == "sgd":
+            extra: dict[str, Any] = {"momentum": self.momentum, "nesterov": self.nesterov}
+            return torch.optim.SGD(params, foreach=False, **common, **extra)
+        kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+        return kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
+
+    @property
+    def profile_kind(self) -> str:
+        """The optimizer the profiler times the step of (`profile_model(optimizer=...)`)."""
+        if self.name == "sgd":
+            return "momentum" if self.momentum > 0 else "sgd"
+        return self.name
+
+    def state_bytes_factor(self) -> int:
+        """Optimizer state per parameter byte: memory planning needs it before building."""
+        if self.name == "sgd":
+            return 1 if self.momentum > 0 else 0
+        return 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineSection:
+    """`partition` is a planner name, an absolute Partition JSON path, or explicit bounds."""
+
+    stages: int = field(metadata=_rule(minimum=1))
+    schedule: str = field(default="1f1b", metadata=_rule(choices=SCHEDULE_NAMES))
+    virtual: int = field(default=1, metadata=_rule(minimum=1))
+    recompute: bool = False
+    batch_weight_grads: bool = False
+    partition: str | tuple[int, ...] = "even"
+    vertical_sync: bool = False
+    update_every: int | None = field(default=None, metadata=_rule(minimum=1))
+    bandwidth: str = "inf"
+
+    @property
+    def bandwidth_Bps(self) -> float:
+        return parse_bandwidth(self.bandwidth)
+
+    def schedule_for(self, microbatches: int) -> Schedule:
+        """This pipeline's schedule for `microbatches` (one job's; a sweep's comes from
+        its JAPSP plan). Built once per process: loading a config checks that it builds,
+        and `resolve_plans` runs the same build."""
+        return _schedule(
+            self.schedule,
+            stages=self.stages,
+            microbatches=microbatches,
+            chunks=self.virtual,
+            recompute=self.recompute,
+            vertical_sync=self.vertical_sync,
+            update_every=self.update_every,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSection:
+    """Exactly one of `iterations` and `epochs` is set; the rest is resolved at load."""
+
+    iterations: int | None = field(default=None, metadata=_rule(minimum=1))
+    epochs: int | None = field(default=None, metadata=_rule(minimum=1))
+    seed: int = 0
+    device: str = "cpu"
+    threads_per_stage: int | None = field(default=None, metadata=_rule(minimum=1))  # host's
+    checkpoint_every: int = field(default=0, metadata=_rule(minimum=0))
+    keep_checkpoints: int = field(default=0, metadata=_rule(minimum=0))
+    log_every: int = field(default=1, metadata=_rule(minimum=1))
+    backend: str = field(default="gloo", metadata=_rule(choices=("auto", "gloo", "nccl")))
+    timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
+    telemetry: bool = True
+    telemetry_interval_s: float = field(default=0.2, metadata=_rule(positive=True))
+    # Off by default: the per-peer watcher threads cost CPU that a small machine's stages
+    # need (on 2 cores, stage compute rose ~10-25% and a pinned CPU hog no longer showed).
+    link_telemetry: bool = False
+    # Record a per-instruction timeline of iterations trace_start .. +trace_iterations-1
+    # into RUN_DIR/trace/ (`adaptipe trace RUN_DIR` draws it); 0 records nothing.
+    trace_iterations: int = field(default=0, metadata=_rule(minimum=0))
+    trace_start: int = field(default=0, metadata=_rule(minimum=0))
+    run_dir: str = "runs/run"
+
+
+# A `Schedule` is frozen data, so one built object can serve every caller.
+@functools.lru_cache(maxsize=16)
+def _schedule(
+    name: str,
+    *,
+    stages: int,
+    microbatches: int,
+    chunks: int,
+    recompute: bool,
+    vertical_sync: bool,
+    update_every: int | None,
+) -> Schedule:
+    return build_schedule(
+        name,
+        stages=stages,
+        microbatches=microbatches,
+        chunks=chunks,
+        recompute=recompute,
+        vertical_sync=vertical_sync,
+        update_every=update_every,
+    )
