@@ -129,7 +129,9 @@ class PipelineSection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainSection:
-    """Exactly one of `iterations` and `epochs` is set; the rest is resolved at load."""
+    """Exactly one of `iterations` and `epochs` is set; the rest is resolved at load,
+    except what the host decides (`fit_to_host`): an unset `threads_per_stage` (None)
+    and ``backend = "auto"``."""
 
     iterations: int | None = field(default=None, metadata=_rule(minimum=1))
     epochs: int | None = field(default=None, metadata=_rule(minimum=1))
@@ -153,7 +155,8 @@ class TrainSection:
     run_dir: str = "runs/run"
 
 
-# A `Schedule` is frozen data, so one built object can serve every caller.
+# A `Schedule` is frozen (its `meta` dict is read, never written), so one built object
+# can serve every caller; the config check and `resolve_plans` both ask for it.
 @functools.lru_cache(maxsize=16)
 def _schedule(
     name: str,
