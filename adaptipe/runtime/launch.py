@@ -23,7 +23,7 @@ from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.monitor.collector import Collector
-from adaptipe.runtime.config import RunConfig, load_config
+from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
 from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
@@ -73,8 +73,9 @@ def prepare(
     source: Path | None = None
     if not isinstance(config, RunConfig):
         source = Path(config)
-        config = load_config(source)
-    config = fit_to_host(config, this_host())  # a config built in Python was not yet
+        config = parse_config(source)
+    # This host starts every worker: check the config against it (`load_config` in two).
+    config = fit_to_host(config, this_host())
     run = RunDir(run_dir if run_dir is not None else config.train.run_dir)
     existing = ckpt.latest(run.checkpoints)
     if existing is not None:
