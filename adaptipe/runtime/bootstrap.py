@@ -15,7 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from adaptipe.runtime.config import RunConfig, resolve_backend
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.host import resolve_backend, stages_per_host, this_host
 
 __all__ = [
     "MANAGER_ENV",
@@ -79,9 +80,10 @@ def place(config: RunConfig, local_rank: int) -> torch.device:
 
 
 def backend(config: RunConfig, device: torch.device) -> str:
-    """The config's backend, ``auto`` resolved on this host."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    """The config's backend, ``auto`` resolved on this host (`adaptipe.runtime.host`)."""
+    host = this_host()
+    local = stages_per_host(int(os.environ.get("WORLD_SIZE", "1")), host.local_world_size)
+    gpus = host.gpus if device.type == "cuda" else 0
     return resolve_backend(config.train.backend, config.train.device, local, gpus)
 
 
