@@ -233,7 +233,7 @@ ERRORS = [
     ),
     (
         _set("traning", iterations=3),
-        "unknown section [traning] (allowed: model, data, optimizer, pipeline, train, sweep)",
+        "unknown section [traning] (allowed: model, data, optimizer, pipeline, train, sweep, adapt)",
     ),
     (_drop("data", "batch_size"), "[data].batch_size is missing"),
     (_drop("optimizer"), "[optimizer] is missing"),

@@ -56,7 +56,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,6 +64,7 @@ from adaptipe.errors import PlanError
 from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
 from adaptipe.plan.api import PLANNERS
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.adapt_config import AdaptSection, parse_adapt
 from adaptipe.runtime.config_sections import (
     DataSection,
     ModelSection,
@@ -90,7 +91,7 @@ __all__ = [
 
 T = TypeVar("T")
 _SECTIONS = ("model", "data", "optimizer", "pipeline", "train")
-_OPTIONAL_SECTIONS = ("sweep",)
+_OPTIONAL_SECTIONS = ("sweep", "adapt")
 _DEVICE = re.compile(r"^(cpu|cuda(:[0-9]+)?)$")
 
 
@@ -102,6 +103,7 @@ class RunConfig:
     pipeline: PipelineSection
     train: TrainSection
     sweep: SweepSection | None = None
+    adapt: AdaptSection = field(default_factory=AdaptSection)
     source: str = "config"
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,6 +114,8 @@ class RunConfig:
             out[name] = {f.name: _plain(getattr(section, f.name)) for f in fields(section)}
         if self.sweep is not None:
             out["sweep"] = self.sweep.to_dict()
+        if self.adapt != AdaptSection():
+            out["adapt"] = self.adapt.to_dict()
         return out
 
     @property
@@ -282,6 +286,17 @@ def _parse(
             iterations=train.iterations,
             strict=strict,
         )
+    adapt = (
+        parse_adapt(
+            data["adapt"],
+            source=source,
+            num_layers=spec.num_layers,
+            stages=pipeline.stages * pipeline.virtual,
+            iterations=train.iterations,
+        )
+        if "adapt" in data
+        else AdaptSection()
+    )
     config = RunConfig(
         model=model,
         data=data_section,
@@ -289,6 +304,7 @@ def _parse(
         pipeline=pipeline,
         train=train,
         sweep=sweep,
+        adapt=adapt,
         source=source,
     )
     _check_cross(config, spec)

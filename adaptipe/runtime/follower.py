@@ -1,24 +1,32 @@
 """A worker's side of plan versions: agree at every boundary on the version in force.
 
 Rank 0 reads the newest committed version (at a halving rung it first waits for the
-manager's decision, which makes the survivors deterministic) and broadcasts it; every
-rank then reads that version's immutable file. A resumed run replays the recorded
-switches at the iterations they happened (`PlanFollower.replay_edges` ends windows
-there).
+manager's decision, which makes the survivors deterministic; at a scripted re-partition,
+``[[adapt.repartition]]``, it commits that partition first) and broadcasts it; every
+rank then reads that version's immutable file. Rank 0 records where each version came
+into force, so a resumed run replays the switch at the iteration it happened
+(`PlanFollower.replay_edges`). When the workers cannot take a version's partition on (a
+failed migration, `PlanFollower.failed`), its record is withdrawn and the version is
+committed again with the partition before under a new number, so the newest version
+always says what runs.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from adaptipe.errors import PlanError
+from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.control import is_rung, rung_decided
 from adaptipe.runtime.planversion import (
     PlanVersion,
     adoptions,
+    commit_plan,
     current_version,
+    forget_adoption,
     read_active,
     record_adoption,
 )
@@ -46,12 +54,15 @@ class PlanFollower:
         self.device = device
         self.wait_s, self.poll_s = wait_s, poll_s
         self.active: PlanVersion | None = None
+        self._previous: PlanVersion | None = None
         # Switches made before (a resumed run replays them); rank 0 adds new ones.
         self.history = adoptions(run)
+        self.scripted = {r.iteration: r.bounds for r in config.adapt.repartition}
 
     def replay_edges(self, start: int) -> set[int]:
-        """Iterations after ``start`` where a recorded switch happens (windows end there)."""
-        return {it for it in self.history.values() if it > start}
+        """Iterations after ``start`` where a recorded or scripted switch happens
+        (windows end there)."""
+        return {it for it in [*self.history.values(), *self.scripted] if it > start}
 
     def at_boundary(self, iteration: int) -> PlanVersion | None:
         import torch
@@ -67,6 +78,8 @@ class PlanFollower:
                 many = self.active is None or len(self.active.jobs) > 1
                 if many and is_rung(self.config, iteration, self.total):
                     self._wait_for_rung(iteration)
+                if iteration in self.scripted:
+                    self._commit_scripted(iteration)
                 # Versions only go forward: a torn active.json reads as 0.
                 version = max(current_version(self.run), recorded)
                 if self.active is not None:
@@ -80,8 +93,44 @@ class PlanFollower:
         if self.rank == 0 and version > 0 and version not in self.history:
             record_adoption(self.run, version, iteration)
             self.history[version] = iteration
-        self.active = read_active(self.run, version, self.config)
+        self._previous, self.active = self.active, read_active(self.run, version, self.config)
         return self.active
+
+    def failed(self, iteration: int) -> PlanVersion:
+        """The workers could not take on the partition of the version `at_boundary`
+        returned (a failed migration): the rest of it stands, with the partition before,
+        committed again under a new number by rank 0 and agreed by every worker (the
+        newest version always says what runs). Returns it."""
+        import torch
+        import torch.distributed as dist
+
+        assert self.active is not None and self._previous is not None
+        version = -1
+        if self.rank == 0:
+            if self.history.get(self.active.version) == iteration:
+                forget_adoption(self.run, self.active.version)
+                del self.history[self.active.version]
+            keep = replace(self.active, partition=self._previous.partition)
+            version = commit_plan(self.run, keep).version
+            record_adoption(self.run, version, iteration)
+            self.history[version] = iteration
+        box = torch.tensor([version], dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(box, src=0)
+        self.active = read_active(self.run, int(box.item()), self.config)
+        return self.active
+
+    def _commit_scripted(self, iteration: int) -> None:
+        """Commit ``[[adapt.repartition]]``'s partition for ``iteration`` (rank 0)."""
+        current = read_active(self.run, current_version(self.run), self.config)
+        base = current.partition if current.partition is not None else self.run.read_partition()
+        partition = Partition(
+            model=base.model,
+            num_layers=base.num_layers,
+            bounds=self.scripted[iteration],
+            planner="adapt.repartition",
+        )
+        commit_plan(self.run, replace(current, partition=partition))
 
     def _wait_for_rung(self, iteration: int) -> None:
         deadline = time.monotonic() + self.wait_s

@@ -40,6 +40,7 @@ __all__ = [
     "adoptions",
     "commit_plan",
     "current_version",
+    "forget_adoption",
     "read_active",
     "record_adoption",
     "remap_jobs",
@@ -211,6 +212,11 @@ def _control(run: RunDir) -> Path:
 def record_adoption(run: RunDir, version: int, iteration: int) -> None:
     """Say that the workers switched to ``version`` at the boundary before ``iteration``."""
     write_json(_adopted_path(run, version), {"version": version, "iteration": iteration})
+
+
+def forget_adoption(run: RunDir, version: int) -> None:
+    """Withdraw the record that the workers switched to ``version`` (they could not)."""
+    _adopted_path(run, version).unlink(missing_ok=True)
 
 
 def commit_plan(run: RunDir, plan: PlanVersion, *, strict: bool = True) -> PlanVersion:

@@ -177,6 +177,40 @@ class Stage:
         chunk[at:at] = slots
         self.load(tensors, indices)
 
+    def pack(self, layers: Sequence[int]) -> bytes:
+        """The whole state of ``layers`` (held here) as a `detach` payload; the stage
+        keeps them (a migration drops them only once every stage agreed)."""
+        indices = list(layers)
+        missing = sorted(set(indices) - set(self.layers()))
+        if missing:
+            raise PlanError(f"stage {self.rank}: does not hold layers {missing}")
+        self._settle_memory()
+        return _pack(self.tensors(indices), indices, self._num_jobs())
+
+    def reshape(self, layer_lists: Sequence[Sequence[int]], tensors: Mapping[str, Tensor]) -> None:
+        """Hold ``layer_lists`` (per local chunk, in model order) from now on: layers kept
+        keep their slots (also from another local chunk), layers not held before are
+        built and loaded from ``tensors`` (global keys), the others are dropped."""
+        if len(layer_lists) != len(self.chunks):
+            raise PlanError(
+                f"stage {self.rank}: {len(layer_lists)} chunks given, it runs {len(self.chunks)}"
+            )
+        self._settle_memory()
+        slots = {slot.index: slot for slot in self._slots()}
+        wanted = [i for layers in layer_lists for i in layers]
+        gained = [i for i in wanted if i not in slots]
+        lost = [i for i in slots if i not in set(wanted)]
+        if self.binder is not None:
+            self.binder.remove_layers(lost)
+            self.binder.add_layers(gained)
+            _buffers_to(self.binder, gained, self.device)
+            for i in gained:
+                slots[i] = LayerSlot.build(i, self.binder.structures[i], None, seed=0)
+        else:
+            slots.update({i: self._new_slot(i) for i in gained})
+        self.chunks[:] = [[slots[i] for i in layers] for layers in layer_lists]
+        self.load(tensors, gained)
+
     def repartition(self, partition: Partition, schedule: Schedule) -> tuple[list[int], list[int]]:
         """The layers this stage gains and loses under ``partition`` (with ``schedule``)."""
         mine = set(self.layers())

@@ -57,12 +57,13 @@ from adaptipe.runtime.hooks import (
     telemetry_address,
     worker_hooks,
 )
+from adaptipe.runtime.migration import layers_of, migrate
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.records import done_record, iteration_record, log
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import MicroBatches
 from adaptipe.runtime.stage_checkpoint import save_checkpoint
-from adaptipe.runtime.stagestate import End, Stage, build_stage
+from adaptipe.runtime.stagestate import Stage, build_stage
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, wire_device
 from adaptipe.runtime.windows import Windows, memory_manager, window_end
 from adaptipe.serial import load_json_file, read_json
@@ -240,36 +241,52 @@ class _Worker:
     def adopt(self, plan: PlanVersion, it: int, fh: TextIO) -> None:
         """Run ``plan`` from iteration ``it`` on (every worker calls this at ``it``)."""
         rank = self.proc.rank
+        partition = plan.partition if plan.partition is not None else self.run.read_partition()
+        self.windows.adopt(plan)
+        if partition.bounds != self.partition.bounds and not self.move_layers(partition, it, fh):
+            plan = self.follower.failed(it)  # the old partition stays; the rest stands
+            self.windows.adopt(plan)
         if plan.version > 0:
             self.active = set(plan.jobs)
             event = {"event": "active", "stage": rank, "iteration": it, "version": plan.version}
             log(fh, {**event, "jobs": list(plan.jobs)})
-        self.windows.adopt(plan)
-        partition = plan.partition if plan.partition is not None else self.run.read_partition()
-        if partition.bounds != self.partition.bounds:
-            self.move_layers(partition, it)
-            event = {"event": "plan", "stage": rank, "iteration": it, "version": plan.version}
-            log(fh, {**event, "bounds": list(partition.bounds), "layers": self.stage.layers()})
 
-    def move_layers(self, partition: Partition, it: int) -> None:
-        """Take on ``partition`` at iteration ``it``: the layers this stage gains come from
-        a checkpoint of iteration ``it`` (written now unless it is the latest)."""
+    def move_layers(self, partition: Partition, it: int, fh: TextIO) -> bool:
+        """Take on ``partition`` at iteration ``it``; False when the move failed and the
+        old partition is intact (a live migration that did not complete)."""
+        rank = self.proc.rank
+        event = {"stage": rank, "iteration": it, "bounds": list(partition.bounds)}
+        if self.config.adapt.method == "live":
+            report = migrate(
+                self.stage,
+                old=self.partition,
+                new=partition,
+                schedule=self.windows.schedule(),
+                wire=self.wire,
+                timeout_s=self.config.adapt.timeout_s,
+                seq=self.follower.active.version if self.follower.active is not None else 0,
+            )
+            log(fh, {"event": "migration", **event, **report.to_json()})
+            if not report.ok:
+                return False
+        else:
+            self._move_through_checkpoint(partition, it)
+        self.partition = partition
+        self.handshake()
+        log(fh, {"event": "plan", **event, "layers": self.stage.layers()})
+        return True
+
+    def _move_through_checkpoint(self, partition: Partition, it: int) -> None:
+        """The layers this stage gains come from a checkpoint of iteration ``it``
+        (written now unless it is the latest)."""
         found = ckpt.latest(self.run.checkpoints)
         if found is None or _iteration_of(found) != it:
             self.checkpoint(it)
             found = ckpt.latest(self.run.checkpoints)
         assert found is not None
-        gained, lost = self.stage.repartition(partition, self.windows.schedule())
-        layers = self.stage.layers()
-        if lost:
-            first = lost[0] == layers[0]
-            self.stage.detach(end="first" if first else "last", count=len(lost))
-        if gained:
-            tensors, _ = ckpt.load(found)
-            end: End = "first" if gained[-1] < self.stage.layers()[0] else "last"
-            self.stage.attach_tensors(tensors, gained, end=end)
-        self.partition = partition
-        self.handshake()
+        tensors, _ = ckpt.load(found)
+        layer_lists = layers_of(partition, self.windows.schedule(), self.proc.rank)
+        self.stage.reshape(layer_lists, tensors)
 
     def handshake(self) -> None:
         """Agree on boundary shapes with the neighbours (every worker at one boundary)."""

@@ -1,0 +1,211 @@
+"""Live layer migration (stop-and-copy): layers change worker at one boundary while the
+stage processes keep running, directly from the old worker to the new one (adjacent or
+not), and every job ends bitwise equal to the run that never moved a layer; a migration
+that fails part way leaves the old partition and changes no bit either."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import PlanError
+from adaptipe.plan.partition import Partition
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import StageFailed, train
+from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, Move, plan_moves
+from adaptipe.runtime.planversion import adoptions, current_version, read_active
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.worker import FAULT_ENV
+from adaptipe.schedule.build import build_schedule
+
+ITERATIONS = 10
+
+# A pairwise cover of schedule x stages x optimizer x jobs; each moves layers forward and
+# then back (the second case also between non-adjacent stages).
+CASES: dict[str, dict[str, Any]] = {
+    "1f1b-2-adam-one-job": {
+        "pipeline": {"stages": 2, "schedule": "1f1b"},
+        "optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.0},
+        "moves": [(3, [0, 2, 6]), (7, [0, 4, 6])],
+    },
+    "gpipe-3-sgd-one-job-non-adjacent": {
+        "pipeline": {"stages": 3, "schedule": "gpipe", "partition": [0, 3, 4, 6]},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "moves": [(3, [0, 1, 2, 6]), (7, [0, 3, 4, 6])],
+    },
+    "interleaved-2x2-adam-one-job": {
+        "pipeline": {"stages": 2, "schedule": "interleaved", "virtual": 2},
+        "optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.0},
+        "moves": [(3, [0, 1, 3, 4, 6]), (7, [0, 2, 3, 5, 6])],
+    },
+    "array-4-jobs-2-sgd": {
+        "pipeline": {"stages": 2, "schedule": "1f1b"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "sweep": {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"},
+        "moves": [(4, [0, 4, 6]), (8, [0, 1, 6])],
+    },
+}
+
+
+def _config(
+    make_config: Callable[..., RunConfig],
+    case: dict[str, Any],
+    run_dir: Path,
+    *,
+    moves: bool,
+    adapt: dict[str, Any] | None = None,
+) -> RunConfig:
+    cfg = make_config(
+        pipeline=case["pipeline"],
+        optimizer=case["optimizer"],
+        data={"microbatches": 1 if "sweep" in case else 4},
+        train={"iterations": ITERATIONS, "checkpoint_every": 5, "run_dir": str(run_dir)},
+    )
+    data = cfg.to_dict()
+    if "sweep" in case:
+        data["sweep"] = dict(case["sweep"], window=2)
+    if moves:
+        scripted = [{"iteration": it, "bounds": bounds} for it, bounds in case["moves"]]
+        data["adapt"] = {**(adapt or {}), "repartition": scripted}
+    return RunConfig.from_dict(data, source="test.toml")
+
+
+def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+    found = ckpt.latest(run_dir / "checkpoints")
+    assert found is not None
+    tensors, meta = ckpt.load(found)
+    assert meta["iteration"] == ITERATIONS
+    return tensors
+
+
+def _events(run_dir: Path, kind: str, stages: int) -> list[list[dict[str, Any]]]:
+    run = RunDir(run_dir)
+    return [
+        [r for r in map(json.loads, run.stage_metrics(s).read_text().splitlines())
+         if r.get("event") == kind]
+        for s in range(stages)
+    ]  # fmt: skip
+
+
+def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    assert any(".step" in k or "momentum_buffer" in k for k in want)  # optimizer state too
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the run without moves"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_live_migrations_end_bitwise_equal_to_no_migration(
+    make_config: Callable[..., RunConfig], tmp_path: Path, name: str
+) -> None:
+    case = CASES[name]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    cfg = _config(make_config, case, moved, moves=True)
+    train(cfg)
+    workers = cfg.pipeline.stages
+    migrations = _events(moved, "migration", workers)
+    assert [[(e["iteration"], e["ok"]) for e in s] for s in migrations] == [
+        [(it, True) for it, _ in case["moves"]]
+    ] * workers
+    assert sum(e["bytes_received"] for s in migrations for e in s) > 0
+    # the partition recorded is the partition run, and every layer is held once
+    run = RunDir(moved)
+    version = current_version(run)
+    assert list(read_active(run, version).partition.bounds) == case["moves"][-1][1]  # type: ignore[union-attr]
+    assert sorted(adoptions(run).values()) == [it for it, _ in case["moves"]]
+    plans = _events(moved, "plan", workers)
+    held = sorted(i for s in plans for i in s[-1]["layers"])
+    assert held == list(range(6))
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
+def test_a_run_killed_between_two_migrations_resumes_bitwise(
+    make_config: Callable[..., RunConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = CASES["1f1b-2-adam-one-job"]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    monkeypatch.setenv(FAULT_ENV, "1:6")  # after the first move (3), before the second (7)
+    with pytest.raises(StageFailed, match="InjectedFault"):
+        train(_config(make_config, case, moved, moves=True))
+    monkeypatch.delenv(FAULT_ENV)
+    assert list(adoptions(RunDir(moved)).values()) == [3]
+    train(_config(make_config, case, moved, moves=True), run_dir=moved, resume=True)
+    assert sorted(adoptions(RunDir(moved)).values()) == [3, 7]
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
+@pytest.mark.parametrize("fault", ["corrupt:0", "raise:0", "late:0", "refuse:1"])
+def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:
+    # both moves send from worker 0 to worker 1 (the first fails, so the partition the
+    # second starts from is still the even one, 0-2 | 3-5)
+    case = dict(CASES["1f1b-2-adam-one-job"], moves=[(3, [0, 2, 6]), (7, [0, 1, 6])])
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    tried = tmp_path / "tried"
+    monkeypatch.setenv(MIGRATION_FAULT_ENV, fault)
+    train(_config(make_config, case, tried, moves=True, adapt={"timeout_s": 3}))
+    migrations = _events(tried, "migration", 2)
+    assert all(not e["ok"] for s in migrations for e in s)
+    assert [len(s) for s in migrations] == [2, 2]
+    causes = " ".join(e["cause"] for s in migrations for e in s)
+    expected = {
+        "corrupt": "checksum mismatch",
+        "raise": "injected before sending",
+        "late": "did not arrive within 3 s",
+        "refuse": "injected while receiving",
+    }
+    assert expected[fault.split(":")[0]] in causes
+    assert _events(tried, "plan", 2) == [[], []]  # the partition never changed
+    run = RunDir(tried)
+    assert read_active(run, current_version(run)).partition is None  # the run's own
+    _assert_bitwise(_final(tried), _final(tmp_path / "still"))
+
+
+def test_plan_moves_go_straight_from_old_to_new_worker() -> None:
+    schedule = build_schedule("gpipe", stages=3, microbatches=3)
+    old = Partition(model="m", num_layers=6, bounds=(0, 3, 4, 6))
+    new = Partition(model="m", num_layers=6, bounds=(0, 1, 2, 6))
+    assert plan_moves(old, new, schedule) == [
+        Move((1,), 0, 1),
+        Move((2,), 0, 2),  # not through worker 1
+        Move((3,), 1, 2),
+    ]
+    inter = build_schedule("interleaved", stages=2, microbatches=4, chunks=2)
+    old4 = Partition(model="m", num_layers=6, bounds=(0, 2, 3, 5, 6))
+    new4 = Partition(model="m", num_layers=6, bounds=(0, 1, 3, 4, 6))
+    # layer 1: vstage 0 -> 1 (worker 0 -> 1); layer 4: vstage 2 -> 3 (worker 0 -> 1)
+    assert plan_moves(old4, new4, inter) == [Move((1,), 0, 1), Move((4,), 0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"iteration": 3, "bounds": [0, 3]}, r"is not a partition of this model: 3 increasing"),
+        ({"iteration": 3, "bounds": [0, 4, 4]}, "is not a partition"),
+        ({"iteration": 3, "bounds": [0, 2, 7]}, "is not a partition"),
+        ({"iteration": 10, "bounds": [0, 2, 6]}, r"not before the last iteration \(allowed: 1..9"),
+        ({"iteration": 3, "bounds": [0, 2, 6], "when": 1}, r"unknown field .*when"),
+    ],
+)
+def test_bad_scripted_repartitions_name_what_is_wrong(
+    make_config: Callable[..., RunConfig], entry: dict[str, Any], message: str
+) -> None:
+    data = make_config(train={"iterations": ITERATIONS}).to_dict()
+    data["adapt"] = {"repartition": [entry]}
+    with pytest.raises(PlanError, match=message):
+        RunConfig.from_dict(data, source="run.toml")
+    data["adapt"] = {"method": "teleport"}
+    with pytest.raises(PlanError, match=r"\[adapt\].method must be one of live, checkpoint"):
+        RunConfig.from_dict(data, source="run.toml")
