@@ -17,9 +17,10 @@ import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
-from adaptipe.runtime.launch import StageFailed, train
+from adaptipe.runtime.launch import StageFailed, prepare, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, Move, plan_moves
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
+from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.build import build_schedule
@@ -209,3 +210,64 @@ def test_bad_scripted_repartitions_name_what_is_wrong(
     data["adapt"] = {"method": "teleport"}
     with pytest.raises(PlanError, match=r"\[adapt\].method must be one of live, checkpoint"):
         RunConfig.from_dict(data, source="run.toml")
+
+
+def test_a_live_request_moves_layers_while_training_runs(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    case = CASES["1f1b-2-adam-one-job"]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    live = tmp_path / "live"
+    asked: list[int] = []
+
+    def on_iteration(record: dict[str, Any], total: int) -> None:
+        if not asked and record["iteration"] >= 2:
+            asked.append(repartition(live, [0, 2, 6]).version)
+
+    train(_config(make_config, case, live, moves=False), on_iteration=on_iteration)
+    adopted = adoptions(RunDir(live))
+    assert list(adopted) == asked == [1] and 2 < adopted[1] < ITERATIONS
+    migrations = _events(live, "migration", 2)
+    assert [[(e["iteration"], e["ok"]) for e in s] for s in migrations] == [
+        [(adopted[1], True)]
+    ] * 2
+    _assert_bitwise(_final(live), _final(tmp_path / "still"))
+    with pytest.raises(PlanError, match="the run has finished"):
+        repartition(live, [0, 3, 6])
+
+
+def test_repartition_requests_are_checked(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    run, _ = prepare(make_config(train={"iterations": ITERATIONS}))
+    with pytest.raises(PlanError, match=r"make 1 stage\(s\), the pipeline runs 2 .*allowed: 3 "):
+        repartition(run.root, [0, 6])
+    with pytest.raises(PlanError, match=r"not a partition of this model .*allowed: 3 increasing"):
+        repartition(run.root, [0, 4, 4])
+    with pytest.raises(PlanError, match=r"already hold \[0, 3, 6\]; nothing to move"):
+        repartition(run.root, [0, 3, 6])
+    assert repartition(run.root, [0, 2, 6]).version == 1
+    with pytest.raises(PlanError, match=r"re-partition to \[0, 2, 6\] \(version 1\) is committed"):
+        repartition(run.root, [0, 4, 6])
+    with pytest.raises(PlanError, match="not a run directory"):
+        repartition(tmp_path, [0, 2, 6])
+
+
+def test_repartition_command_answers_without_loading_torch(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    import subprocess
+    import sys
+
+    run, _ = prepare(make_config(train={"iterations": ITERATIONS}))
+    code = (
+        "import sys; from adaptipe.cli import main; "
+        f"print(main(['repartition', {str(run.root)!r}, '--bounds', '0,4,6']), "
+        "'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.splitlines()[-1] == "0 False", done.stdout + done.stderr
+    assert "to hold layers [0, 4, 6] (plan version 1)" in done.stdout
+    assert read_active(run, 1).partition.bounds == (0, 4, 6)  # type: ignore[union-attr]

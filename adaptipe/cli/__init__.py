@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         plan,
         prepare,
         profile,
+        repartition,
         report,
         simulate,
         stop,
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         monitor,
         report,
         stop,
+        repartition,
         trace,
         prepare,
     ):

@@ -193,16 +193,27 @@ def current_version(run: RunDir) -> int:
 def read_active(run: RunDir, version: int, config: RunConfig | None = None) -> PlanVersion:
     """Active-set ``version``; version 0 is every job with the run's ``schedule.json``."""
     if version == 0:
-        config = config if config is not None else run.read_config()
-        return PlanVersion(
-            version=0, jobs=tuple(range(len(config.jobs))), schedule=run.read_schedule()
-        )
+        jobs = len(config.jobs) if config is not None else _job_count(run)
+        return PlanVersion(version=0, jobs=tuple(range(jobs)), schedule=run.read_schedule())
     path = _version_path(run, version)
     return PlanVersion.from_json(read_json(path), source=str(path))
 
 
 ActiveSet = PlanVersion
 """A plan version read for its active jobs (the name job-array code has used)."""
+
+
+def _job_count(run: RunDir) -> int:
+    """How many jobs the run trains, read from its saved config without building it (no
+    model, no torch: `adaptipe repartition` and `adaptipe stop` answer at once)."""
+    data = read_json(run.config_json)
+    sweep = data.get("sweep") if isinstance(data, dict) else None
+    if not isinstance(sweep, dict):
+        return 1
+    jobs = sweep.get("jobs")
+    if not isinstance(jobs, list) or not jobs:
+        raise PlanError(f"{run.config_json}: [sweep] lists no jobs")
+    return len(jobs)
 
 
 def _control(run: RunDir) -> Path:
@@ -227,8 +238,7 @@ def commit_plan(run: RunDir, plan: PlanVersion, *, strict: bool = True) -> PlanV
     (wrong layer count or stage count, or an asynchronous schedule, whose weight
     versions a partition change would break).
     """
-    config = run.read_config()
-    current = read_active(run, current_version(run), config)
+    current = read_active(run, current_version(run))
     if plan.partition is not None:
         base = run.read_partition()
         if plan.partition.num_layers != base.num_layers:
