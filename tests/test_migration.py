@@ -45,7 +45,7 @@ CASES: dict[str, dict[str, Any]] = {
         "optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.0},
         "moves": [(3, [0, 1, 3, 4, 6]), (7, [0, 2, 3, 5, 6])],
     },
-    "array-4-jobs-2-sgd": {
+    "array-4-jobs-2-sgd-budget-2": {
         "pipeline": {"stages": 2, "schedule": "1f1b"},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
         "sweep": {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"},
@@ -70,7 +70,7 @@ def _config(
     )
     data = cfg.to_dict()
     if "sweep" in case:
-        data["sweep"] = dict(case["sweep"], window=2)
+        data["sweep"] = dict(case["sweep"], window=2, memory_budget=2)
     if moves:
         scripted = [{"iteration": it, "bounds": bounds} for it, bounds in case["moves"]]
         data["adapt"] = {**(adapt or {}), "repartition": scripted}

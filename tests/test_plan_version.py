@@ -22,14 +22,14 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.build import build_schedule
 
-ITERATIONS = 60
+ITERATIONS = 200  # long enough that the manager's commit (at 5) lands mid-run
 NEW_BOUNDS = (0, 2, 6)  # layer 2 moves from stage 0 to stage 1 (the even split is 0, 3, 6)
 
 
 def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
     return make_config(
         optimizer={"name": "adam", "lr": 0.01, "momentum": 0.0},
-        train={"iterations": ITERATIONS, "checkpoint_every": 10, "run_dir": str(run_dir)},
+        train={"iterations": ITERATIONS, "checkpoint_every": 50, "run_dir": str(run_dir)},
     )
 
 
@@ -116,17 +116,17 @@ def test_a_resumed_run_replays_the_switch_bitwise(
     unswitched: dict[str, torch.Tensor],
 ) -> None:
     run_dir = tmp_path / "killed"
-    monkeypatch.setenv(FAULT_ENV, "1:40")
+    monkeypatch.setenv(FAULT_ENV, "1:150")
     with pytest.raises(StageFailed, match="InjectedFault"):
         train(_config(make_config, run_dir), on_iteration=_commit_at(run_dir, 5))
     monkeypatch.delenv(FAULT_ENV)
     at = adoptions(RunDir(run_dir))[1]
-    assert at <= 40  # the switch happened before the fault (the manager saw iteration 5)
+    assert at <= 150  # the switch happened before the fault (the manager saw iteration 5)
     assert [[e["iteration"] for e in stage] for stage in _plan_events(run_dir)] == [[at], [at]]
     train(_config(make_config, run_dir), run_dir=run_dir, resume=True)
     # the resumed workers start on the run's partition and take the recorded one at once
     resumed = [[e["iteration"] for e in stage] for stage in _plan_events(run_dir)]
-    assert resumed == [[40], [40]]
+    assert resumed == [[150], [150]]
     assert adoptions(RunDir(run_dir)) == {1: at}  # replayed, not adopted anew
     _assert_bitwise(_final_state(run_dir), unswitched)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -19,6 +20,8 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.handshake import boundary_specs_in_process
 from adaptipe.runtime.local_transport import LocalTransport, Mailbox, run_stages
+from adaptipe.runtime.migration import layers_of, plan_moves
+from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage, build_stage, payload_layers
 from adaptipe.runtime.transport import TensorSpec
 from adaptipe.schedule.build import build_schedule
@@ -79,6 +82,14 @@ def _connect(stages: list[Stage], schedule: Schedule, mailbox: Mailbox) -> None:
         ex.set_boundary_specs(specs)
 
 
+def _move_last_layer(stages: list[Stage]) -> None:
+    """Layer 2 from stage 0's last end to stage 1's first, as a detached payload."""
+    payload = stages[0].detach(end="last")
+    assert payload_layers(payload)[0] == [2]
+    assert stages[1].attach(payload, end="first") == [2]
+    assert (stages[0].layers(), stages[1].layers()) == ([0, 1], [2, 3, 4, 5])
+
+
 def _train(
     spec: ModelSpec,
     cfg: RunConfig,
@@ -86,19 +97,21 @@ def _train(
     *,
     iterations: int,
     move_after: int | None,
+    move: Callable[[list[Stage]], None] = _move_last_layer,
+    bounds: tuple[int, ...] = (0, 3, 6),
 ) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Train two stages (layers 0-2 | 3-5); after ``move_after`` iterations move layer 2
-    from stage 0 to stage 1. Returns every tensor under global keys and the steps done."""
-    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
-    stages = [build_stage(spec, partition, schedule, r, cfg, CPU) for r in range(2)]
+    """Train the stages of ``bounds``; after ``move_after`` iterations ``move`` them (by
+    default layer 2 from stage 0 to stage 1). Returns every tensor under global keys and
+    the steps done."""
+    partition = Partition(model=spec.name, num_layers=6, bounds=bounds)
+    stages = [
+        build_stage(spec, partition, schedule, r, cfg, CPU) for r in range(schedule.num_stages)
+    ]
     mailbox = Mailbox()
     _connect(stages, schedule, mailbox)
     for it in range(iterations):
         if it == move_after:
-            payload = stages[0].detach(end="last")
-            assert payload_layers(payload)[0] == [2]
-            assert stages[1].attach(payload, end="first") == [2]
-            assert (stages[0].layers(), stages[1].layers()) == ([0, 1], [2, 3, 4, 5])
+            move(stages)
             _connect(stages, schedule, mailbox)
         data = _batches(it, schedule.num_jobs, schedule.num_microbatches)
         run_stages(
@@ -107,7 +120,7 @@ def _train(
                 for s in stages
             ]
         )
-    tensors = {**stages[0].tensors(), **stages[1].tensors()}
+    tensors = {k: v for s in stages for k, v in s.tensors().items()}
     return tensors, [s.steps_done for s in stages]
 
 
@@ -160,12 +173,104 @@ def test_moving_a_layer_between_iterations_keeps_training_bitwise_equal(
     assert got_steps == want_steps
 
 
-def test_a_moved_layer_differs_from_one_not_trained_on() -> None:
-    """The comparison above can fail: a layer that misses an update does not match."""
-    spec = get_model("mlp", in_features=IN, hidden=16, depth=6, out_features=OUT)
-    a = spec.build_layer(2, seed=7)
-    b = spec.build_layer(2, seed=8)
-    assert not torch.equal(a.linear.weight, b.linear.weight)
+def test_a_move_that_loses_the_optimizer_state_is_caught(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    """The comparison above can fail: a layer that arrives without its Adam moments (what
+    DynPipe's public code does) ends elsewhere."""
+    cfg = _one_job(make_config)
+    spec = cfg.model.spec()
+    schedule = build_schedule("1f1b", stages=2, microbatches=4)
+
+    def move_without_state(stages: list[Stage]) -> None:
+        _move_last_layer(stages)
+        optimizer = stages[1].chunks[0][0].optimizer
+        assert optimizer is not None
+        optimizer.state.clear()
+
+    want, _ = _train(spec, cfg, schedule, iterations=6, move_after=None)
+    got, _ = _train(spec, cfg, schedule, iterations=6, move_after=3, move=move_without_state)
+    assert not torch.equal(got["layers.2.linear.weight"], want["layers.2.linear.weight"])
+
+
+def _reshape(stages: list[Stage], schedule: Schedule, old: Partition, new: Partition) -> None:
+    """What a live migration does, in one process: payloads from old to new owners,
+    then every stage takes on its new layers (`adaptipe.runtime.migration`)."""
+    received: list[dict[str, torch.Tensor]] = [{} for _ in stages]
+    for move in plan_moves(old, new, schedule):
+        payload = stages[move.src].pack(move.layers)
+        received[move.dst].update(safetensors.torch.load(payload))
+    for stage in stages:
+        stage.reshape(layers_of(new, schedule, stage.rank), received[stage.rank])
+
+
+def test_a_middle_stage_losing_both_ends_and_disjoint_ranges_train_on_bitwise(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = _one_job(make_config)
+    spec = cfg.model.spec()
+    schedule = build_schedule("1f1b", stages=3, microbatches=3)
+    old = Partition(model=spec.name, num_layers=6, bounds=(0, 1, 5, 6))
+    both_ends = Partition(model=spec.name, num_layers=6, bounds=(0, 2, 4, 6))
+    disjoint = Partition(model=spec.name, num_layers=6, bounds=(0, 4, 5, 6))
+
+    def twice(stages: list[Stage]) -> None:
+        _reshape(stages, schedule, old, both_ends)
+        assert [s.layers() for s in stages] == [[0, 1], [2, 3], [4, 5]]
+        _reshape(stages, schedule, both_ends, disjoint)  # stage 1: 2-3 -> 4
+        assert [s.layers() for s in stages] == [[0, 1, 2, 3], [4], [5]]
+
+    want, want_steps = _train(spec, cfg, schedule, iterations=5, move_after=None, bounds=old.bounds)
+    got, got_steps = _train(
+        spec, cfg, schedule, iterations=5, move_after=2, move=twice, bounds=old.bounds
+    )
+    assert got.keys() == want.keys() and got_steps == want_steps
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_layer_draws_depend_on_step_job_and_microbatch_only() -> None:
+    module = nn.Dropout(0.5)
+    slot = LayerSlot.build(3, module, None, seed=7)
+    assert slot.random
+    x = torch.ones(64)
+
+    def mask(step: int, job: int, mb: int) -> torch.Tensor:
+        with slot.draws(step, job, mb, CPU):
+            return module(x)
+
+    before = torch.get_rng_state()
+    first = mask(1, 0, 2)
+    torch.rand(5)  # the process-wide stream moves on; the layer's does not care
+    assert torch.equal(mask(1, 0, 2), first)
+    assert not torch.equal(mask(2, 0, 2), first)
+    assert not torch.equal(mask(1, 1, 2), first)
+    assert not torch.equal(mask(1, 0, 3), first)
+    other = LayerSlot.build(4, nn.Dropout(0.5), None, seed=7)
+    with other.draws(1, 0, 2, CPU):
+        assert not torch.equal(other.module(x), first)  # another layer, another stream
+    torch.set_rng_state(before)
+    torch.rand(5)
+    after_one = torch.get_rng_state()
+    torch.set_rng_state(before)
+    with slot.draws(1, 0, 2, CPU):
+        module(x)
+    torch.rand(5)
+    assert torch.equal(torch.get_rng_state(), after_one)  # the global stream is untouched
+    assert not LayerSlot.build(0, nn.Linear(2, 2), None, seed=7).random
+
+
+def test_a_recomputed_forward_draws_the_mask_the_first_one_drew(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = _one_job(make_config)
+    spec = _dropout_spec()
+    plain = build_schedule("gpipe", stages=2, microbatches=4)
+    recomputed = build_schedule("gpipe", stages=2, microbatches=4, recompute=True)
+    want, _ = _train(spec, cfg, plain, iterations=4, move_after=None)
+    got, _ = _train(spec, cfg, recomputed, iterations=4, move_after=None)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
 
 
 def test_detach_refuses_to_empty_a_stage_and_attach_checks_the_end(
@@ -183,6 +288,7 @@ def test_detach_refuses_to_empty_a_stage_and_attach_checks_the_end(
         s1.attach(payload, end="first")
     with pytest.raises(PlanError, match="not a layer-slot payload"):
         s1.attach(b"garbage!" * 4, end="first")
+    assert s1.layers() == [3, 4, 5]  # refused attaches changed nothing
 
 
 def test_a_detached_payload_shares_no_storage_with_the_stage(
@@ -198,6 +304,4 @@ def test_a_detached_payload_shares_no_storage_with_the_stage(
     payload = s0.detach(end="last")
     with torch.no_grad():
         weight.add_(1.0)  # the stage's old tensor changes; the payload must not
-    import safetensors.torch
-
     assert torch.equal(safetensors.torch.load(payload)["layers.2.linear.weight"], before)

@@ -90,23 +90,28 @@ class Binder:
     def add_layers(self, layers: Sequence[int]) -> None:
         """Build ``layers`` for every job, as training it alone would (fresh state), and
         keep the layer list in model order."""
-        for index in layers:
+        built: list[tuple[int, list[nn.Module]]] = []
+        for index in layers:  # build and check everything before changing anything
             if index in self.structures:
                 raise ValueError(f"layer {index} is already bound on this stage")
-            for job, per_layer in zip(self.jobs, self.states, strict=True):
-                module = self._build_layer(index, job.seed)
+            modules = [self._build_layer(index, job.seed) for job in self.jobs]
+            for module in modules:
                 refuse_unbindable(index, module)
+            built.append((index, modules))
+        for index, modules in built:
+            for job, per_layer, module in zip(self.jobs, self.states, modules, strict=True):
                 params = dict(module.named_parameters())
                 opt = self._make_optimizer(job, list(params.values())) if params else None
                 per_layer[index] = JobLayerState(params=params, optimizer=opt)
-                self.structures.setdefault(index, module)  # job 0's module is the structure
+            self.structures[index] = modules[0]  # job 0's module is the structure
         self.layers = sorted([*self.layers, *layers])
 
     def remove_layers(self, layers: Sequence[int]) -> None:
         """Drop ``layers`` and every job's state of them from this stage."""
+        missing = [i for i in layers if i not in self.structures]
+        if missing:
+            raise ValueError(f"layers {missing} are not bound on this stage ({self.layers})")
         for index in layers:
-            if index not in self.structures:
-                raise ValueError(f"layer {index} is not bound on this stage ({self.layers})")
             del self.structures[index]
             for per_layer in self.states:
                 del per_layer[index]

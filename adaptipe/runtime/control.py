@@ -355,11 +355,16 @@ class JobController:
             if losses is not None and j in losses:
                 info["val_loss"] = losses[j]
             stopped[j] = info
-        # The new version keeps what the current one says of the partition and window.
-        active = commit_plan(
-            self.run,
-            replace(self.active, jobs=tuple(remaining), schedule=schedule, stopped=stopped),
-        )
+        # The new version keeps what the newest says of the partition and window, also
+        # when a re-partition was committed while the solver ran.
+        jobs_before = self.active.jobs
+
+        def stop(current: PlanVersion) -> PlanVersion:
+            if current.jobs != jobs_before:
+                raise PlanError(f"{self.run.root}: the active jobs changed while re-planning")
+            return replace(current, jobs=tuple(remaining), schedule=schedule, stopped=stopped)
+
+        active = commit_plan(self.run, stop)
         version = active.version
         self.version, self.active = version, active
         return [

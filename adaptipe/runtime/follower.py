@@ -49,9 +49,11 @@ class PlanFollower:
         device: Any,
         wait_s: float,
         poll_s: float = 0.02,
+        group: Any = None,
     ) -> None:
         self.run, self.config, self.rank, self.total = run, config, rank, total
         self.device = device
+        self.group = group  # a CPU (gloo) group beside NCCL: no device sync per boundary
         self.wait_s, self.poll_s = wait_s, poll_s
         self.active: PlanVersion | None = None
         self._previous: PlanVersion | None = None
@@ -86,7 +88,7 @@ class PlanFollower:
                     version = max(version, self.active.version)
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(box, src=0)
+            dist.broadcast(box, src=0, group=self.group)
         version = int(box.item())
         if self.active is not None and version == self.active.version:
             return None
@@ -110,27 +112,28 @@ class PlanFollower:
             if self.history.get(self.active.version) == iteration:
                 forget_adoption(self.run, self.active.version)
                 del self.history[self.active.version]
-            keep = replace(self.active, partition=self._previous.partition)
-            version = commit_plan(self.run, keep).version
+            before = self._previous.partition
+            version = commit_plan(
+                self.run, lambda newest: replace(newest, partition=before)
+            ).version
             record_adoption(self.run, version, iteration)
             self.history[version] = iteration
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(box, src=0)
+            dist.broadcast(box, src=0, group=self.group)
         self.active = read_active(self.run, int(box.item()), self.config)
         return self.active
 
     def _commit_scripted(self, iteration: int) -> None:
         """Commit ``[[adapt.repartition]]``'s partition for ``iteration`` (rank 0)."""
-        current = read_active(self.run, current_version(self.run), self.config)
-        base = current.partition if current.partition is not None else self.run.read_partition()
+        base = self.run.read_partition()
         partition = Partition(
             model=base.model,
             num_layers=base.num_layers,
             bounds=self.scripted[iteration],
             planner="adapt.repartition",
         )
-        commit_plan(self.run, replace(current, partition=partition))
+        commit_plan(self.run, lambda newest: replace(newest, partition=partition))
 
     def _wait_for_rung(self, iteration: int) -> None:
         deadline = time.monotonic() + self.wait_s

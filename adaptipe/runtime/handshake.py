@@ -39,15 +39,17 @@ def negotiate_shapes(
     first_inputs: dict[int, TensorSpec],
     device: torch.device,
     wire: torch.device,
+    jobs: Sequence[int] | None = None,
 ) -> BoundarySpecs:
     """This worker's boundary specs, agreed with its neighbours over ``torch.distributed``.
 
     ``first_inputs`` (job -> input spec) is needed only on the worker holding virtual
-    stage 0. Every worker must call this at the same point.
+    stage 0; ``jobs`` are the jobs to agree for (default: all of the schedule's). Every
+    worker must call this at the same point with the same jobs.
     """
     out: BoundarySpecs = {}
     last = schedule.num_virtual_stages - 1
-    for job in range(schedule.num_jobs):
+    for job in range(schedule.num_jobs) if jobs is None else jobs:
         for chunk in range(schedule.num_chunks):
             g = schedule.vstage(rank, chunk)
             if g == 0:

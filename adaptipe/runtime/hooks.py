@@ -1,19 +1,21 @@
 """What attaches to a stage worker's loop without living in it: telemetry, injected
 interference, the fault drill and tracing.
 
-A hook sees each window before it runs (`WorkerHook.before_window`) and after
-(`WorkerHook.after_window`), may name iterations a window must not span (`edges`), and
-is closed when the loop ends. `worker_hooks` builds the ones this worker's environment
+A hook sees each boundary before the workers agree on the plan there
+(`WorkerHook.before_boundary`), each window before it runs (`WorkerHook.before_window`)
+and after (`WorkerHook.after_window`), may name iterations a window must not span
+(`edges`), hears when the loop has run every iteration (`finish`) and is closed when the
+loop ends, however it ends. `worker_hooks` builds the ones this worker's environment
 asks for; the loop knows none of them by name.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from adaptipe.monitor.schema import LinkSample
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.records import per_iteration, stage_stats
 from adaptipe.runtime.rundir import RunDir
@@ -64,11 +66,23 @@ class Window:
 class WorkerHook(Protocol):
     def edges(self) -> set[int]: ...
 
+    def before_boundary(self, iteration: int) -> None: ...
+
     def before_window(self, window: Window) -> None: ...
 
     def after_window(self, window: Window) -> None: ...
 
+    def finish(self, total: int) -> None: ...
+
     def close(self) -> None: ...
+
+
+class Link(Protocol):
+    """What hooks use of the transport: its injected throttle and its link samples."""
+
+    throttle: tuple[float, float] | None
+
+    def link_samples(self) -> list[LinkSample]: ...
 
 
 class _Hook:
@@ -77,10 +91,16 @@ class _Hook:
     def edges(self) -> set[int]:
         return set()
 
+    def before_boundary(self, iteration: int) -> None:
+        return None
+
     def before_window(self, window: Window) -> None:
         return None
 
     def after_window(self, window: Window) -> None:
+        return None
+
+    def finish(self, total: int) -> None:
         return None
 
     def close(self) -> None:
@@ -94,9 +114,9 @@ class _FaultDrill(_Hook):
     def edges(self) -> set[int]:
         return {self.iteration}
 
-    def before_window(self, window: Window) -> None:
-        if window.start == self.iteration and self.stage == self.rank:
-            raise InjectedFault(f"fault injected at iteration {window.start} ({FAULT_ENV})")
+    def before_boundary(self, iteration: int) -> None:
+        if iteration == self.iteration and self.stage == self.rank:
+            raise InjectedFault(f"fault injected at iteration {iteration} ({FAULT_ENV})")
 
 
 def _fault_drill(rank: int) -> _FaultDrill | None:
@@ -113,7 +133,7 @@ def _fault_drill(rank: int) -> _FaultDrill | None:
 class _Interference(_Hook):
     """Applies the slowdown and link throttle a scenario's control files say now."""
 
-    def __init__(self, control_dir: str, rank: int, transport: object) -> None:
+    def __init__(self, control_dir: str, rank: int, transport: Link) -> None:
         from adaptipe.inject.injectors import read_slowdowns, read_throttles
 
         self.read_slowdowns, self.read_throttles = read_slowdowns, read_throttles
@@ -122,7 +142,7 @@ class _Interference(_Hook):
     def before_window(self, window: Window) -> None:
         window.executor.slowdown = self.read_slowdowns(self.control_dir).get(self.rank, 1.0)
         throttle = self.read_throttles(self.control_dir).get(self.rank)
-        self.transport.throttle = (  # type: ignore[attr-defined]
+        self.transport.throttle = (
             None if throttle is None else (throttle.extra_latency_s, throttle.bandwidth_Bps)
         )
 
@@ -161,7 +181,7 @@ class _Telemetry(_Hook):
     """
 
     def __init__(
-        self, address: str, run: RunDir, stage: Stage, interval_s: float, transport: object
+        self, address: str, run: RunDir, stage: Stage, interval_s: float, transport: Link
     ) -> None:
         from adaptipe.monitor.publisher import Publisher
 
@@ -189,7 +209,7 @@ class _Telemetry(_Hook):
                     end_time,
                 )
             )
-        for link in self.transport.link_samples():  # type: ignore[attr-defined]
+        for link in self.transport.link_samples():
             self.publisher.publish(link)
 
     def close(self) -> None:
@@ -206,20 +226,14 @@ def telemetry_address(config: RunConfig) -> str | None:
     return address if address and config.train.telemetry else None
 
 
-def worker_hooks(
-    run: RunDir, config: RunConfig, stage: Stage, transport: object
-) -> tuple[list[WorkerHook], Callable[[int], None]]:
-    """The hooks this worker's environment asks for, and what to call when the loop
-    has run ``total`` iterations (a trace that ended inside its range is written)."""
+def worker_hooks(run: RunDir, config: RunConfig, stage: Stage, transport: Link) -> list[WorkerHook]:
+    """The hooks this worker's environment and config ask for."""
     hooks: list[WorkerHook] = []
-    finish: Callable[[int], None] = lambda total: None  # noqa: E731
     fault = _fault_drill(stage.rank)
     if fault is not None:
         hooks.append(fault)
     if config.train.trace_iterations:
-        tracing = _Tracing(run, config, stage.rank)
-        hooks.append(tracing)
-        finish = tracing.finish
+        hooks.append(_Tracing(run, config, stage.rank))
     from adaptipe.inject.injectors import CONTROL_DIR_ENV
 
     control_dir = os.environ.get(CONTROL_DIR_ENV)
@@ -229,4 +243,4 @@ def worker_hooks(
     if address is not None:
         interval = config.train.telemetry_interval_s
         hooks.append(_Telemetry(address, run, stage, interval, transport))
-    return hooks, finish
+    return hooks

@@ -156,6 +156,20 @@ class MemoryManager:
         self.peak_resident = self._window_peak = len(self.resident)
 
     # ------------------------------------------------------------------ public
+    def carry_counters(self, old: MemoryManager) -> None:
+        """Count on from ``old``'s hits, misses, copies and waits (one run's totals
+        across a rebuild after the layers changed)."""
+        self.hits += old.hits
+        self.misses += old.misses
+        self.prefetches += old.prefetches
+        self.evictions += old.evictions
+        self.wait_s += old.wait_s
+        self.peak_resident = max(self.peak_resident, old.peak_resident)
+        self._taken = (
+            self.wait_s - (old.wait_s - old._taken[0]),
+            self.misses - (old.misses - old._taken[1]),
+        )
+
     @property
     def loading(self) -> set[int]:
         """Jobs whose prefetch is issued and not yet waited for (they count as resident)."""

@@ -20,7 +20,8 @@ Version 0 is the run's own plan (``schedule.json``, ``partition.json``, every jo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,11 +184,17 @@ def replans(run: RunDir) -> list[dict[str, Any]]:
 
 
 def current_version(run: RunDir) -> int:
-    """The newest committed active-set version (0: the run's initial schedule)."""
+    """The newest committed version (0: the run's own plan), as ``active.json`` says."""
     try:
         return int(read_json(_control(run) / "active.json")["version"])
     except (OSError, PlanError, KeyError, TypeError, ValueError):
         return 0
+
+
+def _newest_file(run: RunDir) -> int:
+    """The highest version with a file (a commit whose pointer may not be written yet)."""
+    found = [int(p.stem.split("-")[1]) for p in _control(run).glob("active-[0-9]*.json")]
+    return max([current_version(run), *found])
 
 
 def read_active(run: RunDir, version: int, config: RunConfig | None = None) -> PlanVersion:
@@ -230,34 +237,79 @@ def forget_adoption(run: RunDir, version: int) -> None:
     _adopted_path(run, version).unlink(missing_ok=True)
 
 
-def commit_plan(run: RunDir, plan: PlanVersion, *, strict: bool = True) -> PlanVersion:
-    """Commit ``plan`` as the run's next version; the workers adopt it at their next
-    boundary. Returns it with its version number.
+def commit_plan(
+    run: RunDir,
+    plan: PlanVersion | Callable[[PlanVersion], PlanVersion],
+    *,
+    strict: bool = True,
+) -> PlanVersion:
+    """Commit the run's next version; the workers adopt it at their next boundary.
+    Returns it with its version number.
 
-    Raises `PlanError` when the partition cannot run with the run's model and schedule
-    (wrong layer count or stage count, or an asynchronous schedule, whose weight
-    versions a partition change would break).
+    ``plan`` is the whole version, or an edit of the newest one (``lambda current:
+    replace(current, partition=...)``), applied again if another writer commits first:
+    each version file is created once (never overwritten), so concurrent writers (the
+    manager's stops, a user's re-partition) each get a number of their own and neither
+    undoes the other.
+
+    Raises `PlanError` when the plan cannot run on the workers as they are: a partition
+    for another model or stage count, a schedule for other stages, chunks or
+    micro-batches, or a partition change under an asynchronous schedule, whose weight
+    versions it would break.
     """
-    current = read_active(run, current_version(run))
-    if plan.partition is not None:
-        base = run.read_partition()
-        if plan.partition.num_layers != base.num_layers:
-            raise PlanError(
-                f"{run.root}: the new partition covers {plan.partition.num_layers} layers, "
-                f"the model has {base.num_layers}"
-            )
-        if plan.partition.num_stages != plan.schedule.num_virtual_stages:
-            raise PlanError(
-                f"{run.root}: the new partition has {plan.partition.num_stages} stages, the "
-                f"schedule {plan.schedule.num_virtual_stages} (stage processes do not change)"
-            )
-        if plan.schedule.weights != "sync":
-            raise PlanError(
-                f"{run.root}: a partition cannot change under an asynchronous schedule "
-                f"(weights={plan.schedule.weights!r}); use gpipe, 1f1b or interleaved"
-            )
-    version = current.version + 1
-    committed = replace(plan, version=version)
-    write_json(_version_path(run, version), committed.to_json(), strict=strict)
-    write_json(_control(run) / "active.json", {"version": version})
-    return committed
+    edit = plan if callable(plan) else (lambda _current: plan)
+    base_schedule = run.read_schedule()
+    for _ in range(1000):
+        newest = _newest_file(run)
+        committed = replace(edit(read_active(run, newest)), version=newest + 1)
+        _check_runnable(run, committed, base_schedule)
+        path = _version_path(run, committed.version)
+        if not _create(path, committed.to_json(), strict=strict):
+            continue  # another writer took this number: edit its version instead
+        if current_version(run) < committed.version:  # the pointer only goes forward
+            write_json(_control(run) / "active.json", {"version": committed.version})
+        return committed
+    raise PlanError(f"{run.root}: could not commit a plan version (too many writers at once)")
+
+
+def _check_runnable(run: RunDir, plan: PlanVersion, base: Schedule) -> None:
+    sched = plan.schedule
+    shape = (sched.num_stages, sched.num_chunks, sched.num_microbatches)
+    if shape != (base.num_stages, base.num_chunks, base.num_microbatches):
+        raise PlanError(
+            f"{run.root}: the new schedule has {shape[0]} stages, {shape[1]} chunks and "
+            f"{shape[2]} micro-batches; the workers run {base.num_stages}, {base.num_chunks} "
+            f"and {base.num_microbatches} (stage processes, their transport and data do not "
+            "change)"
+        )
+    if plan.partition is None:
+        return
+    layers = run.read_partition().num_layers
+    if plan.partition.num_layers != layers:
+        raise PlanError(
+            f"{run.root}: the new partition covers {plan.partition.num_layers} layers, "
+            f"the model has {layers}"
+        )
+    if plan.partition.num_stages != sched.num_virtual_stages:
+        raise PlanError(
+            f"{run.root}: the new partition has {plan.partition.num_stages} stages, the "
+            f"schedule {sched.num_virtual_stages} (stage processes do not change)"
+        )
+    if sched.weights != "sync":
+        raise PlanError(
+            f"{run.root}: a partition cannot change under an asynchronous schedule "
+            f"(weights={sched.weights!r}); use gpipe, 1f1b or interleaved"
+        )
+
+
+def _create(path: Path, data: Any, *, strict: bool) -> bool:
+    """Write ``path`` whole if it does not exist yet; False if it does (no overwrite)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_json(tmp, data, strict=strict)
+    try:
+        os.link(tmp, path)  # atomic and exclusive: fails if a version file is there
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    return True

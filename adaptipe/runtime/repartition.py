@@ -74,7 +74,7 @@ def repartition(run_dir: str | os.PathLike[str], bounds: Sequence[int]) -> PlanV
     now = in_force.bounds if in_force is not None else base.bounds
     if partition.bounds == now:
         raise PlanError(f"{run.root}: the stages already hold {list(now)}; nothing to move")
-    return commit_plan(run, replace(current, partition=partition))
+    return commit_plan(run, lambda newest: replace(newest, partition=partition))
 
 
 def _partition_in_force(run: RunDir) -> Partition | None:

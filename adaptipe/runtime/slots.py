@@ -88,10 +88,15 @@ class LayerSlot:
         if not self.random:
             yield
             return
-        devices = [device] if device.type == "cuda" else []
-        with _DRAW_LOCK, torch.random.fork_rng(devices=devices):
+        cuda = device.type == "cuda"
+        index = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if cuda
+            else 0
+        )
+        with _DRAW_LOCK, torch.random.fork_rng(devices=[index] if cuda else []):
             draw_seed = mix_seed(self.seed, step, job, microbatch)
             torch.default_generator.manual_seed(draw_seed)
-            if device.type == "cuda":
-                torch.cuda.manual_seed(draw_seed)
+            if cuda:  # the generator of the device the layer runs on
+                torch.cuda.default_generators[index].manual_seed(draw_seed)
             yield

@@ -85,7 +85,6 @@ class _Stashed:
     inp: Tensor  # the chunk's input (a leaf that requires grad when it is a float tensor)
     out: Tensor | None  # the chunk's output, or the scaled loss on the last virtual stage
     version: int = 0
-    params: list[dict[str, Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -204,9 +203,6 @@ class StageExecutor:
         return needed
 
     # ------------------------------------------------------------------ weights
-    def _live_params(self, chunk: int) -> list[dict[str, Tensor]]:
-        return [dict(slot.module.named_parameters()) for slot in self.chunks[chunk]]
-
     def _snapshot(self, version: int) -> list[list[dict[str, Tensor]]]:
         snap = self._snapshots.get(version)
         if snap is None:

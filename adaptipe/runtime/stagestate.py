@@ -32,13 +32,13 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.data import loss_scale as default_loss_scale
-from adaptipe.runtime.memory import MemoryManager, block_order
+from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, Transport
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["End", "Stage", "StageState", "build_stage", "payload_layers"]
+__all__ = ["End", "Stage", "build_stage", "payload_layers"]
 
 End = Literal["first", "last"]
 _KIND = "adaptipe.layer_slots"
@@ -172,7 +172,10 @@ class Stage:
         else:
             self.binder.add_layers(indices)
             _buffers_to(self.binder, indices, self.device)
-            slots = [LayerSlot.build(i, self.binder.structures[i], None, seed=0) for i in indices]
+            slots = [
+                LayerSlot.build(i, self.binder.structures[i], None, seed=self.config.train.seed)
+                for i in indices
+            ]
         at = 0 if end == "first" else len(chunk)
         chunk[at:at] = slots
         self.load(tensors, indices)
@@ -205,21 +208,13 @@ class Stage:
             self.binder.add_layers(gained)
             _buffers_to(self.binder, gained, self.device)
             for i in gained:
-                slots[i] = LayerSlot.build(i, self.binder.structures[i], None, seed=0)
+                slots[i] = LayerSlot.build(
+                    i, self.binder.structures[i], None, seed=self.config.train.seed
+                )
         else:
             slots.update({i: self._new_slot(i) for i in gained})
         self.chunks[:] = [[slots[i] for i in layers] for layers in layer_lists]
         self.load(tensors, gained)
-
-    def repartition(self, partition: Partition, schedule: Schedule) -> tuple[list[int], list[int]]:
-        """The layers this stage gains and loses under ``partition`` (with ``schedule``)."""
-        mine = set(self.layers())
-        new = {
-            i
-            for c in range(schedule.num_chunks)
-            for i in partition.layers(schedule.vstage(self.rank, c))
-        }
-        return sorted(new - mine), sorted(mine - new)
 
     # ------------------------------------------------------------------ executor
     def build_executor(
@@ -234,19 +229,13 @@ class Stage:
         """An executor for ``schedule`` over this stage's slots as they are now.
 
         The steps done, injected slowdown and memory manager carry over from the
-        previous executor; the memory manager is rebuilt when the layers changed.
+        previous executor (after the layers changed, `refresh_memory` first).
         """
         if self.memory is not None and self._memory_layers != self.layers():
-            budget = self.memory.budget
-            self.memory.close()
-            assert self.binder is not None
-            self.memory = MemoryManager(
-                self.binder,
-                budget=budget,
-                device=self.device,
-                order=block_order(schedule.stages[self.rank]),
+            raise RuntimeError(
+                f"stage {self.rank}: the layers changed; refresh_memory() before building "
+                "an executor"
             )
-            self._memory_layers = self.layers()
         executor = StageExecutor(
             schedule=schedule,
             stage=self.rank,
@@ -278,6 +267,18 @@ class Stage:
         self.memory = memory
         self._memory_layers = self.layers()
 
+    def refresh_memory(self, order: Sequence[tuple[int, int]]) -> None:
+        """After the layers changed: a memory manager over the layers held now, starting
+        on ``order`` (one that fits its budget), with the old one's counters."""
+        old = self.memory
+        if old is None or self._memory_layers == self.layers():
+            return
+        old.close()
+        assert self.binder is not None
+        new = MemoryManager(self.binder, budget=old.budget, device=self.device, order=order)
+        new.carry_counters(old)
+        self.use_memory(new)
+
     # ------------------------------------------------------------------ helpers
     def _slots(self) -> list[LayerSlot]:
         return [slot for chunk in self.chunks for slot in chunk]
@@ -302,10 +303,6 @@ class Stage:
         params = list(module.parameters())
         optimizer = self.config.optimizer.build(params) if params else None
         return LayerSlot.build(index, module, optimizer, seed=self.config.train.seed)
-
-
-StageState = Stage
-"""The name this class had before it owned its executor."""
 
 
 def _buffers_to(binder: Binder, layers: Sequence[int], device: torch.device) -> None:
@@ -381,7 +378,7 @@ def build_stage(
     )
     _buffers_to(binder, binder.layers, device)
     chunks = [
-        [LayerSlot.build(i, binder.structures[i], None, seed=0) for i in layers]
+        [LayerSlot.build(i, binder.structures[i], None, seed=seed) for i in layers]
         for layers in layer_lists
     ]
     return Stage(spec=spec, config=config, device=device, rank=rank, chunks=chunks, binder=binder)

@@ -8,10 +8,11 @@ worker posts the first ``lookahead`` receives of its instruction list into buffe
 the negotiated shape, so data lands while the worker computes, and a `RecvActivation`
 usually finds its tensor already there.
 
-Shapes are negotiated once, at start-up, along the pipeline: the worker holding virtual
-stage ``g`` receives the input shape of ``g`` from its predecessor, infers its output
-shape with a forward pass on the ``meta`` device, and sends that on. Nothing about
-shapes is hard-coded, and no per-message header costs a round trip.
+Shapes are negotiated along the pipeline at start-up, and again whenever the partition
+changes (`adaptipe.runtime.handshake`): the worker holding virtual stage ``g`` receives
+the input shape of ``g`` from its predecessor, infers its output shape with a forward
+pass of its real layers, and sends that on. Nothing about shapes is hard-coded, and no
+per-message header costs a round trip.
 
 Tensors travel on the *wire device*: the GPU itself over NCCL, host memory over gloo
 (whose transport reads host pointers only). A CUDA stage on gloo therefore copies each

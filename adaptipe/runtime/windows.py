@@ -107,6 +107,16 @@ class Windows:
         self._running = key
         return ex
 
+    def first_order(self) -> list[tuple[int, int]]:
+        """A one-iteration block order of the plan in force that fits the memory budget
+        (where a rebuilt memory manager starts; each window then reorders it)."""
+        from adaptipe.runtime.jobarray import window_for
+
+        assert self.instance is not None, "job states are offloaded only in job-arrays"
+        plan = self.plan
+        local = window_for(plan.schedule, self.instance.select(plan.jobs), 1, budget=self.budget)
+        return block_order(remap_jobs(local, plan.jobs, self.num_jobs).stages[self.stage.rank])
+
     def _unrolled(self, rounds: int) -> Schedule:
         if self.instance is None:  # one job: one iteration per window
             return self.schedule()

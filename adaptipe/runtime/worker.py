@@ -103,7 +103,7 @@ def run_worker(run_dir: Path, *, resume: bool) -> None:
         dist.destroy_process_group()
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class _Worker:
     """One stage worker's pieces, set up once; `train` is the loop over windows."""
 
@@ -123,6 +123,11 @@ class _Worker:
     follower: PlanFollower
     holds: tuple[bool, bool]  # (first virtual stage, last virtual stage)
     active: set[int] = field(default_factory=set)
+
+    @property
+    def per_round(self) -> int:
+        """Micro-batches per job and iteration."""
+        return self.windows.plan.schedule.num_microbatches
 
     @classmethod
     def setup(
@@ -168,13 +173,17 @@ class _Worker:
         )
         plan = PlanVersion(version=0, jobs=tuple(range(len(jobs))), schedule=schedule)
         windows = Windows(config, instance, stage, plan)
+        # Plan versions are agreed every boundary: beside NCCL on a CPU group, so the
+        # agreement does not sync the device.
+        group = dist.new_group(backend="gloo") if wire.type == "cuda" else None
         follower = PlanFollower(
             run,
             config,
             rank=proc.rank,
             total=config.iterations_total(len(dataset)),
-            device=wire,
+            device=torch.device("cpu") if group is not None else wire,
             wait_s=0.8 * config.train.timeout_s,
+            group=group,
         )
         worker = cls(
             run=run,
@@ -200,20 +209,21 @@ class _Worker:
     # ------------------------------------------------------------------ the loop
     def train(self, threads: int) -> None:
         run, config, rank, stage = self.run, self.config, self.proc.rank, self.stage
-        hooks, finish = worker_hooks(run, config, stage, self.transport)
+        hooks = worker_hooks(run, config, stage, self.transport)
         edges = set().union(*(h.edges() for h in hooks)) | self.follower.replay_edges(self.start)
         with run.stage_metrics(rank).open("a") as fh, contextlib.ExitStack() as cleanup:
             for hook in hooks:
                 cleanup.callback(hook.close)
             cleanup.callback(self.transport.close)  # first: a stuck link watcher must not hold us
-            if stage.memory is not None:
-                cleanup.callback(stage.memory.close)  # its copy thread
+            cleanup.callback(_close_memory, stage)  # its copy thread (the one in use then)
             ready = {"event": "ready", "stage": rank, "pid": os.getpid(), "threads": threads}
             log(fh, {**ready, "device": str(stage.device), "start": self.start})
             dist.barrier()
             it, epoch = self.start, 0  # epoch: windows run so far (keeps transfers apart)
             while it < self.total:
                 begun = time.time()
+                for hook in hooks:
+                    hook.before_boundary(it)
                 switched = self.follower.at_boundary(it)
                 if switched is not None:
                     self.adopt(switched, it, fh)
@@ -234,7 +244,8 @@ class _Worker:
                 if self.checkpoint_due(it):
                     self.checkpoint(it)
                     log(fh, {"event": "checkpoint", "stage": rank, "iteration": it})
-            finish(self.total)
+            for hook in hooks:
+                hook.finish(self.total)
             log(fh, done_record(rank, stage.steps_done, stage.memory))
 
     # ------------------------------------------------------------------ plan versions
@@ -270,18 +281,21 @@ class _Worker:
             if not report.ok:
                 return False
         else:
-            self._move_through_checkpoint(partition, it)
+            self._move_through_checkpoint(partition, it, fh)
         self.partition = partition
+        if self.stage.memory is not None:
+            self.stage.refresh_memory(self.windows.first_order())
         self.handshake()
         log(fh, {"event": "plan", **event, "layers": self.stage.layers()})
         return True
 
-    def _move_through_checkpoint(self, partition: Partition, it: int) -> None:
+    def _move_through_checkpoint(self, partition: Partition, it: int, fh: TextIO) -> None:
         """The layers this stage gains come from a checkpoint of iteration ``it``
         (written now unless it is the latest)."""
         found = ckpt.latest(self.run.checkpoints)
         if found is None or _iteration_of(found) != it:
             self.checkpoint(it)
+            log(fh, {"event": "checkpoint", "stage": self.proc.rank, "iteration": it})
             found = ckpt.latest(self.run.checkpoints)
         assert found is not None
         tensors, _ = ckpt.load(found)
@@ -295,7 +309,13 @@ class _Worker:
             schedule=schedule, transport=self.transport, boundary_specs={}
         )
         specs = negotiate_shapes(
-            probe, schedule, self.proc.rank, self.first_inputs, self.stage.device, self.wire
+            probe,
+            schedule,
+            self.proc.rank,
+            self.first_inputs,
+            self.stage.device,
+            self.wire,
+            jobs=self.windows.plan.jobs,  # a stopped job's state is not loaded for it
         )
         if self.stage.memory is not None:
             self.stage.memory.take_window()  # loads for the shape probe are not a window's
@@ -304,7 +324,7 @@ class _Worker:
     # ------------------------------------------------------------------ helpers
     def feeds(self, rounds: int) -> dict[int, RoundFeed]:
         """Each active job's rounds, read when its first block of a round runs."""
-        m = self.windows.plan.schedule.num_microbatches
+        m = self.per_round
         first, last = self.holds
         return {
             j: RoundFeed(
@@ -320,13 +340,12 @@ class _Worker:
         }
 
     def microbatches(self, feeds: dict[int, RoundFeed], window: Window) -> list[MicroBatches]:
-        m = self.windows.plan.schedule.num_microbatches
-        nothing: MicroBatches = [(None, None)] * (m * window.rounds)
+        nothing: MicroBatches = [(None, None)] * (self.per_round * window.rounds)
         return [feeds.get(j, nothing) for j in range(len(self.config.jobs))]
 
     def record(self, window: Window, fh: TextIO) -> None:
         assert window.stats is not None
-        m = self.windows.plan.schedule.num_microbatches
+        m = self.per_round
         span = window.ended - window.begun
         for r in range(window.rounds):  # a window's iterations share its time evenly
             record = iteration_record(
@@ -372,6 +391,11 @@ def _resume(run: RunDir, spec: ModelSpec, stage: Stage) -> int:
     stage.load(tensors)
     stage.resume_steps(int(meta.get("meta", {}).get("steps", 0)))
     return int(meta["iteration"])
+
+
+def _close_memory(stage: Stage) -> None:
+    if stage.memory is not None:
+        stage.memory.close()
 
 
 def _iteration_of(found: Path) -> int:
