@@ -94,6 +94,11 @@ def _events(run_dir: Path, kind: str, stages: int) -> list[list[dict[str, Any]]]
     ]  # fmt: skip
 
 
+def _control_migrations(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "control.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == "migration"]
+
+
 def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     assert any(".step" in k or "momentum_buffer" in k for k in want)  # optimizer state too
@@ -124,6 +129,11 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     plans = _events(moved, "plan", workers)
     held = sorted(i for s in plans for i in s[-1]["layers"])
     assert held == list(range(6))
+    said = _control_migrations(moved)  # the manager's log: one event per migration
+    assert [(e["iteration"], e["bounds"], e["ok"]) for e in said] == [
+        (it, bounds, True) for it, bounds in case["moves"]
+    ]
+    assert all(e["bytes"] > 0 and e["seconds"] > 0 for e in said)
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
@@ -169,6 +179,12 @@ def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
     }
     assert expected[fault.split(":")[0]] in causes
     assert _events(tried, "plan", 2) == [[], []]  # the partition never changed
+    said = _control_migrations(tried)
+    assert [e["ok"] for e in said] == [False, False]
+    assert expected[fault.split(":")[0]] in " ".join(c for e in said for c in e["causes"])
+    from adaptipe.cli.summary import _migrations_said
+
+    assert "failed, the old partition stayed" in _migrations_said(tried)
     run = RunDir(tried)
     assert read_active(run, current_version(run)).partition is None  # the run's own
     _assert_bitwise(_final(tried), _final(tmp_path / "still"))

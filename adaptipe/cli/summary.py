@@ -35,6 +35,9 @@ def print_summary(summary: TrainSummary) -> None:
     if summary.jobs:
         _print_array_plan(out, Path(summary.run_dir), len(summary.jobs))
         _print_ranking(out, summary.jobs)
+    moved = _migrations_said(Path(summary.run_dir))
+    if moved:
+        out.print(f"layers moved: {moved}", soft_wrap=not out.is_terminal)
     out.print(
         f"run directory: {summary.run_dir}"
         + (f"; checkpoint: {summary.checkpoint}" if summary.checkpoint else "")
@@ -87,6 +90,28 @@ def _print_array_plan(out: Console, run_dir: Path, jobs: int) -> None:
     after = _replans_said(run_dir, ROUND_ORDERS)
     if after:
         out.print(f"after stops: {after}", soft_wrap=not out.is_terminal)
+
+
+def _migrations_said(run_dir: Path) -> str:
+    """The run's migrations (from control.jsonl), in one line ("" when none)."""
+    import json
+
+    path = run_dir / "control.jsonl"
+    if not path.exists():
+        return ""
+    parts = []
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") != "migration":
+            continue
+        at = f"at iteration {event['iteration']} to {event['bounds']}"
+        if event["ok"]:
+            size = event["bytes"] / 1e6
+            parts.append(f"{at} ({size:.2f} MB in {event['seconds'] * 1e3:.0f} ms)")
+        else:
+            why = "; ".join(event.get("causes", [])) or "unknown"
+            parts.append(f"{at} failed, the old partition stayed ({why})")
+    return "; ".join(parts)
 
 
 def _replans_said(run_dir: Path, names: dict[str, str]) -> str:

@@ -295,10 +295,10 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 interference.on_iteration(rec["iteration"] + 1)
             if on_iteration is not None:
                 on_iteration(rec, launch.total)
-        if controller is not None:
-            for event in controller.poll():
-                control_log.write(json_line(event))
-                control_log.flush()
+        events = [*follower.migrations(), *(controller.poll() if controller is not None else [])]
+        for event in events:
+            control_log.write(json_line(event))
+            control_log.flush()
         codes = [p.poll() for p in procs]
         failed = next((s for s, c in enumerate(codes) if c not in (None, 0)), None)
         if failed is not None:
@@ -308,6 +308,8 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 metrics.write(json_line(rec))
                 if on_iteration is not None:
                     on_iteration(rec, launch.total)
+            for event in follower.migrations():
+                control_log.write(json_line(event))
             break
         time.sleep(poll_s)
     if controller is not None:

@@ -31,6 +31,31 @@ class MetricsFollower:
         self.merged: list[dict[str, Any]] = []
         self.ready = 0  # workers that said they are ready
         self.last_end: float | None = None
+        self._migrations: dict[int, dict[int, dict[str, Any]]] = {}  # iteration -> stage -> event
+
+    def migrations(self) -> list[dict[str, Any]]:
+        """The migrations every stage has reported since the last call, one event each
+        (iteration, bounds, ok, moves, bytes, the slowest stage's seconds, causes)."""
+        out = []
+        for it in sorted(self._migrations):
+            by_stage = self._migrations[it]
+            if len(by_stage) < self.stages:
+                continue
+            del self._migrations[it]
+            events = [by_stage[s] for s in range(self.stages)]
+            out.append(
+                {
+                    "event": "migration",
+                    "iteration": it,
+                    "bounds": events[0]["bounds"],
+                    "ok": all(e["ok"] for e in events),
+                    "moves": events[0].get("moves", []),
+                    "bytes": sum(int(e.get("bytes_received", 0)) for e in events),
+                    "seconds": max(float(e.get("seconds", 0.0)) for e in events),
+                    "causes": sorted({e["cause"] for e in events if e.get("cause")}),
+                }
+            )
+        return out
 
     def poll(self) -> list[dict[str, Any]]:
         """The iterations that every stage has reported since the last poll, merged."""
@@ -58,6 +83,8 @@ class MetricsFollower:
             rec = json.loads(line)
             if rec.get("event") == "ready":
                 self.ready += 1
+            elif rec.get("event") == "migration":
+                self._migrations.setdefault(rec["iteration"], {})[s] = rec
             elif "iteration" in rec and "event" not in rec:
                 self.pending.setdefault(rec["iteration"], {})[s] = rec
 
