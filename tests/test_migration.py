@@ -287,3 +287,22 @@ def test_repartition_command_answers_without_loading_torch(
     assert done.stdout.splitlines()[-1] == "0 False", done.stdout + done.stderr
     assert "to hold layers [0, 4, 6] (plan version 1)" in done.stdout
     assert read_active(run, 1).partition.bounds == (0, 4, 6)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("method", ["restart", "checkpoint"])
+def test_the_baselines_move_through_checkpoints_bitwise(
+    make_config: Callable[..., RunConfig], tmp_path: Path, method: str
+) -> None:
+    """``restart`` (checkpoint, stop the workers, start them again on the new partition:
+    the field's baseline) and ``checkpoint`` (the workers stay up) end where live does."""
+    case = CASES["1f1b-2-adam-one-job"]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / method
+    train(_config(make_config, case, moved, moves=True, adapt={"method": method}))
+    restarts = _events(moved, "restart", 2)
+    expected = [[3, 7], [3, 7]] if method == "restart" else [[], []]
+    assert [[e["iteration"] for e in s] for s in restarts] == expected
+    plans = _events(moved, "plan", 2)
+    assert [[e["iteration"] for e in s] for s in plans] == [[3, 7], [3, 7]]
+    assert _events(moved, "migration", 2) == [[], []]  # nothing went over the wire
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))

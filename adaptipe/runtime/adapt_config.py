@@ -5,7 +5,9 @@
     [adapt]
     method = "live"          # live: layers move between the running workers at one
                              # boundary (stop-and-copy, `adaptipe.runtime.migration`);
-                             # checkpoint: they move through a checkpoint written there
+                             # checkpoint: through a checkpoint written there;
+                             # restart: checkpoint, stop the workers, start them again
+                             # on the new partition (the field's baseline)
     timeout_s = 60           # a migration message later than this fails the migration
 
     [[adapt.repartition]]    # scripted: from iteration 10 on, layers 0-2 | 3-7
@@ -28,7 +30,7 @@ from adaptipe.serial import get_float, get_int, get_list, get_str
 
 __all__ = ["METHODS", "AdaptSection", "Repartition", "parse_adapt"]
 
-METHODS = ("live", "checkpoint")
+METHODS = ("live", "checkpoint", "restart")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

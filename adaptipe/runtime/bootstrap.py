@@ -19,6 +19,7 @@ from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.host import resolve_backend, stages_per_host, this_host
 
 __all__ = [
+    "EXIT_RESTART",
     "MANAGER_ENV",
     "Process",
     "backend",
@@ -27,6 +28,10 @@ __all__ = [
     "pin_threads",
     "place",
 ]
+
+EXIT_RESTART = 75
+"""A worker's exit status when it stopped to be started again on a new partition
+(``[adapt] method = "restart"``); the manager starts the workers again, resuming."""
 
 MANAGER_ENV = "ADAPTIPE_MANAGER"
 """Set by `adaptipe train`'s manager for the workers it starts (absent under torchrun)."""

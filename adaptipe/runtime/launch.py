@@ -11,6 +11,7 @@ committed checkpoint stays intact. The run ends with its `TrainSummary` (`summar
 
 from __future__ import annotations
 
+import functools
 import shutil
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.monitor.collector import Collector
+from adaptipe.runtime.bootstrap import EXIT_RESTART
 from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
 from adaptipe.runtime.host import fit_to_host, this_host
@@ -196,6 +198,7 @@ class _Launch:
     collector: Collector | None
     interference: Interference | None
     on_iteration: ProgressFn | None
+    respawn: Callable[[], list[subprocess.Popen[bytes]]]  # the workers again, resuming
 
     def close(self) -> None:
         """Stop the scenario, the workers (by pid), the collector; in that order."""
@@ -234,14 +237,15 @@ def _run(
     monitored = cfg.train.telemetry or scenario is not None
     collector = Collector(jsonl=run.telemetry).start() if monitored else None
     control_dir = run.root / "inject" if scenario is not None else None
-    procs = spawn(
+    start_workers = functools.partial(
+        spawn,
         run,
         schedule.num_stages,
-        resume=resume,
         telemetry=collector.address if collector is not None else None,
         telemetry_interval_s=cfg.train.telemetry_interval_s,
         control_dir=control_dir,
     )
+    procs = start_workers(resume=resume)
     interference = None
     if scenario is not None:
         assert collector is not None
@@ -258,6 +262,7 @@ def _run(
         collector=collector,
         interference=interference,
         on_iteration=on_iteration,
+        respawn=functools.partial(start_workers, resume=True),
     )
     for log in (run.metrics, run.root / "control.jsonl"):
         run.drop_torn_line(log)  # appended to below
@@ -300,7 +305,12 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
             control_log.write(json_line(event))
             control_log.flush()
         codes = [p.poll() for p in procs]
-        failed = next((s for s, c in enumerate(codes) if c not in (None, 0)), None)
+        if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
+            procs[:] = launch.respawn()  # in place: the scenario kills these ones now
+            continue
+        failed = next((s for s, c in enumerate(codes) if c not in (None, 0, EXIT_RESTART)), None)
+        if failed is None and EXIT_RESTART in codes and 0 in codes:
+            failed = codes.index(EXIT_RESTART)  # one stage restarts, another finished
         if failed is not None:
             raise failure(launch.run, failed, codes[failed])
         if all(c == 0 for c in codes):

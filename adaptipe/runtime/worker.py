@@ -35,6 +35,7 @@ from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.bootstrap import (
+    EXIT_RESTART,
     MANAGER_ENV,
     Process,
     backend,
@@ -69,14 +70,20 @@ from adaptipe.runtime.windows import Windows, memory_manager, window_end
 from adaptipe.serial import load_json_file, read_json
 
 __all__ = [
+    "EXIT_RESTART",
     "FAULT_ENV",
     "MANAGER_ENV",
     "TELEMETRY_ENV",
     "TELEMETRY_INTERVAL_ENV",
     "InjectedFault",
+    "RestartForPlan",
     "main",
     "run_worker",
 ]
+
+
+class RestartForPlan(Exception):
+    """Raised at a boundary where ``[adapt] method = "restart"`` takes a new partition on."""
 
 
 def run_worker(run_dir: Path, *, resume: bool) -> None:
@@ -267,7 +274,16 @@ class _Worker:
         old partition is intact (a live migration that did not complete)."""
         rank = self.proc.rank
         event = {"stage": rank, "iteration": it, "bounds": list(partition.bounds)}
-        if self.config.adapt.method == "live":
+        method = self.config.adapt.method
+        if method == "restart" and it != self.start:
+            # The field's baseline: every stage checkpoints here and exits; the manager
+            # starts the workers again, which take the partition on from the checkpoint.
+            if not self._checkpoint_is_latest(it):
+                self.checkpoint(it)
+                log(fh, {"event": "checkpoint", "stage": rank, "iteration": it})
+            log(fh, {"event": "restart", **event})
+            raise RestartForPlan(f"restarting at iteration {it} to hold {partition.bounds}")
+        if method == "live":
             report = migrate(
                 self.stage,
                 old=self.partition,
@@ -292,15 +308,18 @@ class _Worker:
     def _move_through_checkpoint(self, partition: Partition, it: int, fh: TextIO) -> None:
         """The layers this stage gains come from a checkpoint of iteration ``it``
         (written now unless it is the latest)."""
-        found = ckpt.latest(self.run.checkpoints)
-        if found is None or _iteration_of(found) != it:
+        if not self._checkpoint_is_latest(it):
             self.checkpoint(it)
             log(fh, {"event": "checkpoint", "stage": self.proc.rank, "iteration": it})
-            found = ckpt.latest(self.run.checkpoints)
+        found = ckpt.latest(self.run.checkpoints)
         assert found is not None
         tensors, _ = ckpt.load(found)
         layer_lists = layers_of(partition, self.windows.schedule(), self.proc.rank)
         self.stage.reshape(layer_lists, tensors)
+
+    def _checkpoint_is_latest(self, it: int) -> bool:
+        found = ckpt.latest(self.run.checkpoints)
+        return found is not None and _iteration_of(found) == it
 
     def handshake(self) -> None:
         """Agree on boundary shapes with the neighbours (every worker at one boundary)."""
@@ -418,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         die_with_parent()
     try:
         run_worker(args.run_dir, resume=args.resume)
+    except RestartForPlan as exc:  # [adapt] method = "restart": not a failure
+        print(f"stage {rank}: {exc}", file=sys.stderr)
+        return EXIT_RESTART
     except BaseException as exc:  # report every failure, including KeyboardInterrupt
         cause = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         try:
