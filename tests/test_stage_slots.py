@@ -305,3 +305,25 @@ def test_a_detached_payload_shares_no_storage_with_the_stage(
     with torch.no_grad():
         weight.add_(1.0)  # the stage's old tensor changes; the payload must not
     assert torch.equal(safetensors.torch.load(payload)["layers.2.linear.weight"], before)
+
+
+def test_the_invariants_check_catches_a_broken_stage(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = _one_job(make_config)
+    spec = cfg.model.spec()
+    schedule = build_schedule("1f1b", stages=2, microbatches=4)
+    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
+    s0 = build_stage(spec, partition, schedule, 0, cfg, CPU)
+    s0.check([[0, 1, 2]])
+    with pytest.raises(RuntimeError, match=r"holds layers \[\[0, 1, 2\]\], the partition says"):
+        s0.check([[0, 1]])
+    s0.chunks[0].reverse()
+    with pytest.raises(RuntimeError, match=r"layers \[2, 1, 0\] are not a contiguous range"):
+        s0.check([[2, 1, 0]])
+    s0.chunks[0].reverse()
+    optimizer = s0.chunks[0][1].optimizer
+    assert optimizer is not None
+    optimizer.param_groups[0]["params"] = optimizer.param_groups[0]["params"][:1]
+    with pytest.raises(RuntimeError, match="layer 1: its parameters and its optimizer's differ"):
+        s0.check([[0, 1, 2]])

@@ -216,6 +216,41 @@ class Stage:
         self.chunks[:] = [[slots[i] for i in layers] for layers in layer_lists]
         self.load(tensors, gained)
 
+    def check(self, layer_lists: Sequence[Sequence[int]]) -> None:
+        """Raise `RuntimeError` unless this stage holds exactly ``layer_lists`` (per chunk,
+        in order, each a contiguous range) and every parameter is in exactly one
+        optimizer (its layer's; per job in a job-array). Run after every move."""
+        held = [[slot.index for slot in chunk] for chunk in self.chunks]
+        wanted = [list(layers) for layers in layer_lists]
+        where = f"stage {self.rank}"
+        if held != wanted:
+            raise RuntimeError(f"{where}: holds layers {held}, the partition says {wanted}")
+        for layers in held:
+            if layers != list(range(layers[0], layers[0] + len(layers))):
+                raise RuntimeError(f"{where}: layers {layers} are not a contiguous range")
+        if self.binder is not None and self.binder.layers != sorted(self.layers()):
+            raise RuntimeError(f"{where}: binds {self.binder.layers}, holds {held}")
+        for label, params, optimizer in self._optimized():
+            owned = [
+                id(p) for g in (optimizer.param_groups if optimizer else []) for p in g["params"]
+            ]
+            mine = [id(p) for p in params]
+            if sorted(owned) != sorted(mine) or len(set(owned)) != len(owned):
+                raise RuntimeError(f"{where}: {label}: its parameters and its optimizer's differ")
+
+    def _optimized(self) -> list[tuple[str, list[Tensor], torch.optim.Optimizer | None]]:
+        """(what, parameters, optimizer) for every layer (and job) of this stage."""
+        if self.binder is None:
+            return [
+                (f"layer {slot.index}", list(slot.module.parameters()), slot.optimizer)
+                for slot in self._slots()
+            ]
+        return [
+            (f"job {job} layer {i}", list(state.params.values()), state.optimizer)
+            for job, per_layer in enumerate(self.binder.states)
+            for i, state in per_layer.items()
+        ]
+
     # ------------------------------------------------------------------ executor
     def build_executor(
         self,

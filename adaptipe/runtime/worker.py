@@ -299,6 +299,7 @@ class _Worker:
         else:
             self._move_through_checkpoint(partition, it, fh)
         self.partition = partition
+        self.stage.check(layers_of(partition, self.windows.schedule(), rank))
         if self.stage.memory is not None:
             self.stage.refresh_memory(self.windows.first_order())
         self.handshake()
