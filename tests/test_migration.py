@@ -226,6 +226,10 @@ def test_bad_scripted_repartitions_name_what_is_wrong(
     data["adapt"] = {"method": "teleport"}
     with pytest.raises(PlanError, match=r"\[adapt\].method must be one of live, checkpoint"):
         RunConfig.from_dict(data, source="run.toml")
+    data["adapt"] = {"repartition": [{"iteration": 3, "bounds": [0, 2, 6]}]}
+    data["pipeline"]["schedule"] = "pipedream"
+    with pytest.raises(PlanError, match=r"needs a synchronous schedule .*'pipedream'"):
+        RunConfig.from_dict(data, source="run.toml")
 
 
 def test_a_live_request_moves_layers_while_training_runs(

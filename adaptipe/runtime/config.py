@@ -297,6 +297,12 @@ def _parse(
         if "adapt" in data
         else AdaptSection()
     )
+    if adapt.repartition and pipeline.schedule in ("pipedream", "2bw"):
+        raise PlanError(
+            f"{source}: [[adapt.repartition]] needs a synchronous schedule (gpipe, 1f1b, "
+            f"interleaved); [pipeline].schedule = {pipeline.schedule!r} keeps weight "
+            "versions in flight that a partition change would break"
+        )
     config = RunConfig(
         model=model,
         data=data_section,
