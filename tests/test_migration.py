@@ -134,6 +134,10 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
         (it, bounds, True) for it, bounds in case["moves"]
     ]
     assert all(e["bytes"] > 0 and e["seconds"] > 0 for e in said)
+    # telemetry says which plan version each stage record ran under
+    telemetry = [json.loads(line) for line in run.telemetry.read_text().splitlines()]
+    versions = {r["plan_version"] for r in telemetry if r.get("type") == "stage_stats"}
+    assert versions == {0, *adoptions(run)}
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 

@@ -243,3 +243,16 @@ def test_fields_replaced_by_arbitrary_values_only_raise_telemetry_error(
         except (OverflowError, ValueError):  # not representable in this encoding
             continue
         _decode_or_telemetry_error(frame)
+
+
+def test_stage_stats_without_a_plan_version_read_as_version_0() -> None:
+    """Telemetry written before plans could change still reads."""
+    from adaptipe.monitor.schema import StageStats
+
+    old = {
+        "v": 1, "type": "stage_stats", "run_id": "r", "stage": 0, "iteration": 3,
+        "time_s": 1.0, "compute_s": 0.1, "wait_s": 0.0, "comm_s": 0.0, "iteration_s": 0.1,
+    }  # fmt: skip
+    record = StageStats.from_dict(old)
+    assert record.plan_version == 0
+    assert StageStats.from_dict(record.to_dict() | {"plan_version": 2}).plan_version == 2

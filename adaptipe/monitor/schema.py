@@ -220,7 +220,9 @@ class StageStats(_Record):
     ``resident_jobs`` is the most job states the stage held on its device at once (all
     of them without a memory budget; 0 outside job-arrays) and ``state_wait_s`` the time
     the host waited for offloaded states before their blocks (on CUDA a late copy also
-    stalls the GPU, which only the iteration time shows).
+    stalls the GPU, which only the iteration time shows). ``plan_version`` is the plan
+    version the stage ran (`adaptipe.runtime.planversion`; 0 in records written before
+    plans could change, which read as version 0).
     """
 
     TYPE: ClassVar[str] = "stage_stats"
@@ -241,6 +243,7 @@ class StageStats(_Record):
     loss: float | None = None
     resident_jobs: int = 0
     state_wait_s: float = 0.0
+    plan_version: int = 0
 
     def _check(self) -> None:
         if len(self.forward_s) != len(self.backward_s):
@@ -313,6 +316,7 @@ StageStats.SPEC = {
     "loss": _optional(_finite),
     "resident_jobs": _num(0, 1_000_000, integer=True),
     "state_wait_s": _SECONDS,
+    "plan_version": _num(0, 2**31, integer=True),
 }
 DeviceSample.SPEC = {
     "stage": _STAGE,

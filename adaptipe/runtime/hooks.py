@@ -57,6 +57,7 @@ class Window:
     begun: float  # time.time() when the window began
     ended: float = 0.0
     stats: IterationStats | None = None
+    plan_version: int = 0  # the plan version the window ran
 
     @property
     def rounds(self) -> int:
@@ -207,6 +208,7 @@ class _Telemetry(_Hook):
                     self.stage.chunks,
                     self.stage.device,
                     end_time,
+                    plan_version=window.plan_version,
                 )
             )
         for link in self.transport.link_samples():

@@ -97,6 +97,7 @@ def stage_stats(
     chunks: list[list[Any]],
     device: torch.device,
     time_s: float | None = None,
+    plan_version: int = 0,
 ) -> StageStats:
     layers = [slot.index for chunk in chunks for slot in chunk]
     contiguous = layers == list(range(layers[0], layers[0] + len(layers))) if layers else False
@@ -120,6 +121,7 @@ def stage_stats(
         loss=None if stats.loss is None or math.isnan(stats.loss) else stats.loss,
         resident_jobs=stats.resident_jobs,
         state_wait_s=stats.state_wait_s,
+        plan_version=plan_version,
     )
 
 

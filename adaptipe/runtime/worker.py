@@ -235,7 +235,10 @@ class _Worker:
                 if switched is not None:
                     self.adopt(switched, it, fh)
                 stop = window_end(config, it, self.total, self.windows.length(), edges)
-                window = Window(it, stop, self.windows.executor(stop - it), begun)
+                plan = self.windows.plan.version
+                window = Window(
+                    it, stop, self.windows.executor(stop - it), begun, plan_version=plan
+                )
                 for hook in hooks:
                     hook.before_window(window)
                 feeds = self.feeds(window.rounds)
@@ -243,7 +246,7 @@ class _Worker:
                 for feed in feeds.values():
                     feed.finish()
                 epoch += 1
-                window = Window(it, stop, window.executor, begun, time.time(), stats)
+                window = Window(it, stop, window.executor, begun, time.time(), stats, plan)
                 self.record(window, fh)
                 for hook in hooks:
                     hook.after_window(window)
