@@ -106,13 +106,15 @@ class PlanFollower:
         import torch
         import torch.distributed as dist
 
-        assert self.active is not None and self._previous is not None
+        assert self.active is not None
+        # At the first boundary (a fresh start or a resume) the stages hold the run's own
+        # partition: that is the one to keep.
+        before = self._previous.partition if self._previous is not None else None
         version = -1
         if self.rank == 0:
             if self.history.get(self.active.version) == iteration:
                 forget_adoption(self.run, self.active.version)
                 del self.history[self.active.version]
-            before = self._previous.partition
             version = commit_plan(
                 self.run, lambda newest: replace(newest, partition=before)
             ).version
