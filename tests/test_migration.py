@@ -314,3 +314,47 @@ def test_the_baselines_move_through_checkpoints_bitwise(
     assert [[e["iteration"] for e in s] for s in plans] == [[3, 7], [3, 7]]
     assert _events(moved, "migration", 2) == [[], []]  # nothing went over the wire
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
+def test_a_move_at_a_halving_rung_stops_the_worse_jobs_and_moves_the_layers(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """Defined outcome of a re-partition at a halving rung: rank 0 waits for the rung's
+    decision, the scripted partition is committed on top of it, and the workers take
+    both on at that one boundary; every surviving job ends as trained alone."""
+    from tests._solo import alone_params
+
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        train={"iterations": 8, "run_dir": str(tmp_path / "rung")},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = {
+        "grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]},
+        "solver": "1f1b",
+        "halving_every": 4,
+        "window": 2,
+    }
+    data["adapt"] = {"repartition": [{"iteration": 4, "bounds": [0, 2, 6]}]}
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    train(cfg)
+    run = RunDir(tmp_path / "rung")
+    newest = read_active(run, current_version(run))
+    assert len(newest.jobs) == 2 and newest.partition is not None
+    assert newest.partition.bounds == (0, 2, 6)
+    assert set(adoptions(run).values()) == {4}  # one boundary for both
+    migrations = _events(tmp_path / "rung", "migration", 2)
+    assert [[(e["iteration"], e["ok"]) for e in s] for s in migrations] == [[(4, True)]] * 2
+    found = ckpt.latest(tmp_path / "rung" / "checkpoints")
+    assert found is not None
+    tensors, _ = ckpt.load(found)
+    for job in cfg.jobs:
+        if job.index not in newest.jobs:
+            continue
+        prefix = f"jobs.{job.index}."
+        got = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
+        want = alone_params(cfg.to_dict(), job)
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
