@@ -358,3 +358,79 @@ def test_a_move_at_a_halving_rung_stops_the_worse_jobs_and_moves_the_layers(
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6)
+
+
+def _product() -> list[Any]:
+    """Every schedule x stages x optimizer x jobs combination a migration must keep exact
+    (``make test-all``; the default suite runs the pairwise cover above). An 8-layer MLP
+    split evenly; the first move gives the first virtual stage's last layer to the
+    second, the second move gives it back."""
+    cases = []
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for stages in (2, 3):
+            for optimizer in ("sgd", "adam"):
+                for jobs in (1, 4):
+                    if jobs > 1 and schedule == "interleaved":
+                        continue  # a [sweep] runs one chunk per stage
+                    chunks = 2 if schedule == "interleaved" else 1
+                    cases.append(
+                        pytest.param(
+                            schedule, stages, optimizer, jobs, chunks,
+                            id=f"{schedule}-{stages}-{optimizer}-{jobs}job",
+                            marks=pytest.mark.slow,
+                        )
+                    )  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize(("schedule", "stages", "optimizer", "jobs", "chunks"), _product())
+def test_every_combination_migrates_bitwise(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    schedule: str,
+    stages: int,
+    optimizer: str,
+    jobs: int,
+    chunks: int,
+) -> None:
+    layers = 8
+    vstages = stages * chunks
+    base, extra = divmod(layers, vstages)
+    even = [0]
+    for v in range(vstages):
+        even.append(even[-1] + base + (1 if v < extra else 0))
+    inward = [0, even[1] - 1, *even[2:]]  # the first virtual stage has >= 2 layers
+    case: dict[str, Any] = {
+        "pipeline": {"stages": stages, "schedule": schedule, "virtual": chunks},
+        "optimizer": (
+            {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+            if optimizer == "sgd"
+            else {"name": "adam", "lr": 0.01, "momentum": 0.0}
+        ),
+        "moves": [(3, inward), (7, even)],
+    }
+    if jobs > 1:
+        case["sweep"] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"}
+
+    def config(run_dir: Path, moves: bool) -> RunConfig:
+        microbatches = 1 if jobs > 1 else stages * 2
+        cfg = make_config(
+            model={"config": {"depth": layers}},
+            pipeline=case["pipeline"],
+            optimizer=case["optimizer"],
+            data={"microbatches": microbatches, "batch_size": 4 * stages * 2},
+            train={"iterations": ITERATIONS, "checkpoint_every": 5, "run_dir": str(run_dir)},
+        )
+        data = cfg.to_dict()
+        if "sweep" in case:
+            data["sweep"] = dict(case["sweep"], window=2, memory_budget=2)
+        if moves:
+            scripted = [{"iteration": it, "bounds": b} for it, b in case["moves"]]
+            data["adapt"] = {"repartition": scripted}
+        return RunConfig.from_dict(data, source="test.toml")
+
+    train(config(tmp_path / "still", moves=False))
+    train(config(tmp_path / "moved", moves=True))
+    migrations = _events(tmp_path / "moved", "migration", stages)
+    assert all([(e["iteration"], e["ok"]) for e in s] == [(3, True), (7, True)] for s in migrations)
+    _assert_bitwise(_final(tmp_path / "moved"), _final(tmp_path / "still"))
