@@ -189,6 +189,11 @@ def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
     from adaptipe.cli.summary import _migrations_said
 
     assert "failed, the old partition stayed" in _migrations_said(tried)
+    if fault.startswith("corrupt"):  # the report's event table and charts mark them too
+        from adaptipe.monitor.report import make_report
+
+        page = make_report(tried).read_text()
+        assert page.count("migration failed") >= 2 and "kept the old partition" in page
     run = RunDir(tried)
     assert read_active(run, current_version(run)).partition is None  # the run's own
     _assert_bitwise(_final(tried), _final(tmp_path / "still"))

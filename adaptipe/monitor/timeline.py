@@ -8,8 +8,10 @@ its charts and lists them on its page.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -95,6 +97,7 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
             s = e.time_s - t0
             marks.append(Mark(e.kind, e.kind, s, None, clock.to_iter(s), None, detail(e)))
     marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
+    marks += _migration_marks(log.root, clock)
     if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
         for path in sorted((log.root / "checkpoints").glob("iter-*")):
             if (n := path.name.removeprefix("iter-")).isdigit():
@@ -103,3 +106,30 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
                     Mark("checkpoint", "checkpoint", clock.to_time(x), None, x, None, path.name)
                 )
     return sorted(marks, key=lambda m: (m.start_it or 0.0, m.start_s or 0.0))
+
+
+def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:
+    """The run's layer migrations (``control.jsonl``), at the boundary before the
+    iteration they switched at; a failed one is labelled so."""
+    path = root / "control.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+            if event.get("event") != "migration":
+                continue
+            x = float(event["iteration"]) - 0.5  # between iterations N-1 and N
+            ok = bool(event["ok"])
+            detail = (
+                f"bounds={event['bounds']} bytes={event['bytes']} seconds={event['seconds']:.4f}"
+                if ok
+                else f"bounds={event['bounds']} kept the old partition: "
+                + "; ".join(event.get("causes", []))
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+        label = "migration" if ok else "migration failed"
+        out.append(Mark("migration", label, clock.to_time(x), None, x, None, detail))
+    return out
