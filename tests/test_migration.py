@@ -138,6 +138,10 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     telemetry = [json.loads(line) for line in run.telemetry.read_text().splitlines()]
     versions = {r["plan_version"] for r in telemetry if r.get("type") == "stage_stats"}
     assert versions == {0, *adoptions(run)}
+    announced = [r for r in telemetry if r.get("type") == "event" and r["kind"] == "migration"]
+    assert [(r["detail"]["iteration"], r["detail"]["ok"]) for r in announced] == [
+        (it, True) for it, _ in case["moves"]
+    ]  # so `adaptipe monitor` lists them with the injections
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 

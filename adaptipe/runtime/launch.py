@@ -24,6 +24,7 @@ from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.monitor.collector import Collector
+from adaptipe.monitor.schema import Event
 from adaptipe.runtime.bootstrap import EXIT_RESTART
 from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     import subprocess
 
     from adaptipe.inject.scenario import Scenario
+    from adaptipe.monitor.publisher import Publisher
 
 __all__ = [
     "Plans",
@@ -199,12 +201,36 @@ class _Launch:
     interference: Interference | None
     on_iteration: ProgressFn | None
     respawn: Callable[[], list[subprocess.Popen[bytes]]]  # the workers again, resuming
+    publisher: Publisher | None = None  # the manager's own events into the telemetry stream
+
+    def announce(self, events: list[dict[str, Any]]) -> None:
+        """Put the migrations among ``events`` on the telemetry stream too (so
+        ``adaptipe monitor`` lists them with the injections)."""
+        if self.collector is None:
+            return
+        for e in (e for e in events if e.get("event") == "migration"):
+            if self.publisher is None:
+                from adaptipe.monitor.publisher import Publisher
+
+                self.publisher = Publisher(self.collector.address, stage=0)
+            detail = {
+                "iteration": e["iteration"],
+                "ok": e["ok"],
+                "bounds": ",".join(str(b) for b in e["bounds"]),
+                "bytes": e["bytes"],
+                "seconds": round(e["seconds"], 6),
+            }
+            if e["causes"]:
+                detail["cause"] = "; ".join(e["causes"])[:200]
+            self.publisher.publish(Event(kind="migration", time_s=time.time(), detail=detail))
 
     def close(self) -> None:
         """Stop the scenario, the workers (by pid), the collector; in that order."""
         if self.interference is not None:
             self.interference.stop()
         stop(self.procs)
+        if self.publisher is not None:
+            self.publisher.close(linger_s=0.5)
         if self.collector is not None:
             self.collector.close()
         if self.controller is not None:
@@ -304,6 +330,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
         for event in events:
             control_log.write(json_line(event))
             control_log.flush()
+        launch.announce(events)
         codes = [p.poll() for p in procs]
         if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
             procs[:] = launch.respawn()  # in place: the scenario kills these ones now
@@ -318,8 +345,10 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 metrics.write(json_line(rec))
                 if on_iteration is not None:
                     on_iteration(rec, launch.total)
-            for event in follower.migrations():
+            last = follower.migrations()
+            for event in last:
                 control_log.write(json_line(event))
+            launch.announce(last)
             break
         time.sleep(poll_s)
     if controller is not None:
