@@ -66,6 +66,7 @@ __all__ = [
     "array_jobs",
     "current_version",
     "halving_survivors",
+    "has_finished",
     "is_rung",
     "manager_running",
     "mark_manager",
@@ -198,6 +199,12 @@ def _checkpointed(run: RunDir) -> int | None:
         return None
 
 
+def has_finished(run: RunDir, iterations: int | None) -> bool:
+    """Whether the run is done: its summary is written, or (a few seconds before, while
+    the jobs are evaluated) its latest checkpoint holds all ``iterations``."""
+    return run.summary.exists() or (iterations is not None and _checkpointed(run) == iterations)
+
+
 def stop_jobs(
     run_dir: str | os.PathLike[str], jobs: Sequence[int | str], *, reason: str = "user"
 ) -> list[int]:
@@ -211,9 +218,7 @@ def stop_jobs(
     if not run.config_json.exists():
         raise PlanError(f"{run.root}: not a run directory (no config.json)")
     names, iterations = array_jobs(run)
-    # summary.json comes a few seconds after the last checkpoint (jobs are evaluated)
-    done = iterations is not None and _checkpointed(run) == iterations
-    if run.summary.exists() or done:
+    if has_finished(run, iterations):
         raise PlanError(
             f"{run.root}: the run has finished (all {iterations} iterations; "
             f"see {run.summary.name}); there is nothing left to stop"

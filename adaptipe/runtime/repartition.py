@@ -16,6 +16,7 @@ from pathlib import Path
 
 from adaptipe.errors import PlanError
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.control import has_finished
 from adaptipe.runtime.planversion import (
     PlanVersion,
     adoptions,
@@ -88,11 +89,7 @@ def _partition_in_force(run: RunDir) -> Partition | None:
 def _refuse_finished(run: RunDir) -> None:
     data = read_json(run.config_json)
     iterations = data.get("train", {}).get("iterations") if isinstance(data, dict) else None
-    try:
-        done = int(read_json(run.checkpoints / "latest.json")["iteration"])
-    except (OSError, PlanError, KeyError, TypeError, ValueError):
-        done = None
-    if run.summary.exists() or (iterations is not None and done == iterations):
+    if has_finished(run, iterations if isinstance(iterations, int) else None):
         raise PlanError(
             f"{run.root}: the run has finished (see {run.summary.name}); there is nothing "
             "left to re-partition"

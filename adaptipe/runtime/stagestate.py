@@ -132,10 +132,9 @@ class Stage:
                 f"stage {self.rank}: cannot detach {count} of its {len(chunk)} layers "
                 "(a stage keeps at least one layer)"
             )
-        self._settle_memory()
         cut = slice(0, count) if end == "first" else slice(len(chunk) - count, len(chunk))
         indices = [slot.index for slot in chunk[cut]]
-        payload = _pack(self.tensors(indices), indices, self._num_jobs())
+        payload = self.pack(indices)
         del chunk[cut]
         if self.binder is not None:
             self.binder.remove_layers(indices)
@@ -167,17 +166,8 @@ class Stage:
                 f"(it holds {here[0]}..{here[-1]})"
             )
         self._settle_memory()
-        if self.binder is None:
-            slots = [self._new_slot(i) for i in indices]
-        else:
-            self.binder.add_layers(indices)
-            _buffers_to(self.binder, indices, self.device)
-            slots = [
-                LayerSlot.build(i, self.binder.structures[i], None, seed=self.config.train.seed)
-                for i in indices
-            ]
         at = 0 if end == "first" else len(chunk)
-        chunk[at:at] = slots
+        chunk[at:at] = self._build_slots(indices)
         self.load(tensors, indices)
 
     def pack(self, layers: Sequence[int]) -> bytes:
@@ -205,14 +195,7 @@ class Stage:
         lost = [i for i in slots if i not in set(wanted)]
         if self.binder is not None:
             self.binder.remove_layers(lost)
-            self.binder.add_layers(gained)
-            _buffers_to(self.binder, gained, self.device)
-            for i in gained:
-                slots[i] = LayerSlot.build(
-                    i, self.binder.structures[i], None, seed=self.config.train.seed
-                )
-        else:
-            slots.update({i: self._new_slot(i) for i in gained})
+        slots.update(zip(gained, self._build_slots(gained), strict=True))
         self.chunks[:] = [[slots[i] for i in layers] for layers in layer_lists]
         self.load(tensors, gained)
 
@@ -333,11 +316,21 @@ class Stage:
         if self.memory is not None:
             self.memory.synchronize()  # no copy in flight while slots change
 
-    def _new_slot(self, index: int) -> LayerSlot:
-        module = self.spec.build_layer(index, seed=self.config.train.seed, device=self.device)
-        params = list(module.parameters())
-        optimizer = self.config.optimizer.build(params) if params else None
-        return LayerSlot.build(index, module, optimizer, seed=self.config.train.seed)
+    def _build_slots(self, indices: Sequence[int]) -> list[LayerSlot]:
+        """Fresh slots for ``indices`` (a job-array binds every job's state of them), as
+        training alone would build them; their state is loaded after."""
+        seed = self.config.train.seed
+        if self.binder is not None:
+            self.binder.add_layers(indices)
+            _buffers_to(self.binder, indices, self.device)
+            return [LayerSlot.build(i, self.binder.structures[i], None, seed=seed) for i in indices]
+        slots = []
+        for i in indices:
+            module = self.spec.build_layer(i, seed=seed, device=self.device)
+            params = list(module.parameters())
+            optimizer = self.config.optimizer.build(params) if params else None
+            slots.append(LayerSlot.build(i, module, optimizer, seed=seed))
+        return slots
 
 
 def _buffers_to(binder: Binder, layers: Sequence[int], device: torch.device) -> None:
