@@ -193,6 +193,16 @@ def test_a_move_that_loses_the_optimizer_state_is_caught(
     assert not torch.equal(got["layers.2.linear.weight"], want["layers.2.linear.weight"])
 
 
+def _split_mlp(make_config: Callable[..., RunConfig]) -> tuple[Stage, Stage]:
+    """The two stages of the 6-layer MLP (layers 0-2 | 3-5, 1F1B, Adam), untrained."""
+    cfg = _one_job(make_config)
+    spec = cfg.model.spec()
+    schedule = build_schedule("1f1b", stages=2, microbatches=4)
+    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
+    s0, s1 = (build_stage(spec, partition, schedule, r, cfg, CPU) for r in range(2))
+    return s0, s1
+
+
 def _reshape(stages: list[Stage], schedule: Schedule, old: Partition, new: Partition) -> None:
     """What a live migration does, in one process: payloads from old to new owners,
     then every stage takes on its new layers (`adaptipe.runtime.migration`)."""
@@ -276,11 +286,7 @@ def test_a_recomputed_forward_draws_the_mask_the_first_one_drew(
 def test_detach_refuses_to_empty_a_stage_and_attach_checks_the_end(
     make_config: Callable[..., RunConfig],
 ) -> None:
-    cfg = _one_job(make_config)
-    spec = cfg.model.spec()
-    schedule = build_schedule("1f1b", stages=2, microbatches=4)
-    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
-    s0, s1 = (build_stage(spec, partition, schedule, r, cfg, CPU) for r in range(2))
+    s0, s1 = _split_mlp(make_config)
     with pytest.raises(PlanError, match="keeps at least one layer"):
         s0.detach(end="last", count=3)
     payload = s0.detach(end="first")  # layer 0 does not join stage 1's first end (layer 3)
@@ -294,11 +300,7 @@ def test_detach_refuses_to_empty_a_stage_and_attach_checks_the_end(
 def test_a_detached_payload_shares_no_storage_with_the_stage(
     make_config: Callable[..., RunConfig],
 ) -> None:
-    cfg = _one_job(make_config)
-    spec = cfg.model.spec()
-    schedule = build_schedule("1f1b", stages=2, microbatches=4)
-    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
-    s0 = build_stage(spec, partition, schedule, 0, cfg, CPU)
+    s0, _ = _split_mlp(make_config)
     weight = s0.chunks[0][-1].module.linear.weight
     before = weight.detach().clone()
     payload = s0.detach(end="last")
@@ -310,11 +312,7 @@ def test_a_detached_payload_shares_no_storage_with_the_stage(
 def test_the_invariants_check_catches_a_broken_stage(
     make_config: Callable[..., RunConfig],
 ) -> None:
-    cfg = _one_job(make_config)
-    spec = cfg.model.spec()
-    schedule = build_schedule("1f1b", stages=2, microbatches=4)
-    partition = Partition(model=spec.name, num_layers=6, bounds=(0, 3, 6))
-    s0 = build_stage(spec, partition, schedule, 0, cfg, CPU)
+    s0, _ = _split_mlp(make_config)
     s0.check([[0, 1, 2]])
     with pytest.raises(RuntimeError, match=r"holds layers \[\[0, 1, 2\]\], the partition says"):
         s0.check([[0, 1]])
