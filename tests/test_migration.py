@@ -19,6 +19,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed, prepare, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, Move, plan_moves
+from adaptipe.runtime.partition_plan import array_costs
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
@@ -61,12 +62,13 @@ def _config(
     *,
     moves: bool,
     adapt: dict[str, Any] | None = None,
+    iterations: int = ITERATIONS,
 ) -> RunConfig:
     cfg = make_config(
         pipeline=case["pipeline"],
         optimizer=case["optimizer"],
         data={"microbatches": 1 if "sweep" in case else 4},
-        train={"iterations": ITERATIONS, "checkpoint_every": 5, "run_dir": str(run_dir)},
+        train={"iterations": iterations, "checkpoint_every": 5, "run_dir": str(run_dir)},
     )
     data = cfg.to_dict()
     if "sweep" in case:
@@ -77,11 +79,11 @@ def _config(
     return RunConfig.from_dict(data, source="test.toml")
 
 
-def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+def _final(run_dir: Path, iterations: int = ITERATIONS) -> dict[str, torch.Tensor]:
     found = ckpt.latest(run_dir / "checkpoints")
     assert found is not None
     tensors, meta = ckpt.load(found)
-    assert meta["iteration"] == ITERATIONS
+    assert meta["iteration"] == iterations
     return tensors
 
 
@@ -126,6 +128,13 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     version = current_version(run)
     assert list(read_active(run, version).partition.bounds) == case["moves"][-1][1]  # type: ignore[union-attr]
     assert sorted(adoptions(run).values()) == [it for it, _ in case["moves"]]
+    if "sweep" in case:  # each move brought the array's block costs under its partition
+        costs = array_costs(run)
+        assert costs is not None
+        for v in adoptions(run):
+            plan = read_active(run, v)
+            assert plan.partition is not None and plan.instance is not None
+            assert plan.instance == costs.instance(plan.partition, plan.jobs)
     plans = _events(moved, "plan", workers)
     held = sorted(i for s in plans for i in s[-1]["layers"])
     assert held == list(range(6))
@@ -145,9 +154,15 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
+@pytest.mark.parametrize("lose_control", [False, True])
 def test_a_run_killed_between_two_migrations_resumes_bitwise(
-    make_config: Callable[..., RunConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    lose_control: bool,
 ) -> None:
+    """The resume replays the first switch from the run's control folder, or, where that
+    was lost, from the plan history its checkpoint records."""
     case = CASES["1f1b-2-adam-one-job"]
     train(_config(make_config, case, tmp_path / "still", moves=False))
     moved = tmp_path / "moved"
@@ -156,6 +171,14 @@ def test_a_run_killed_between_two_migrations_resumes_bitwise(
         train(_config(make_config, case, moved, moves=True))
     monkeypatch.delenv(FAULT_ENV)
     assert list(adoptions(RunDir(moved)).values()) == [3]
+    found = ckpt.latest(moved / "checkpoints")
+    assert found is not None
+    history = ckpt.load(found)[1]["meta"]["plans"]  # the checkpoint of iteration 5
+    assert [(h["version"], h["iteration"]) for h in history] == [(1, 3)]
+    assert history[0]["plan"]["partition"]["bounds"] == case["moves"][0][1]
+    if lose_control:
+        for path in (moved / "control").glob("*.json"):
+            path.unlink()
     train(_config(make_config, case, moved, moves=True), run_dir=moved, resume=True)
     assert sorted(adoptions(RunDir(moved)).values()) == [3, 7]
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
@@ -269,6 +292,44 @@ def test_a_live_request_moves_layers_while_training_runs(
         repartition(live, [0, 3, 6])
 
 
+def test_a_stop_asked_with_a_move_lands_with_it_and_keeps_every_job_exact(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """Defined outcome of a stop request that arrives while a re-partition is pending or
+    under way: the manager commits the stop on top of the partition (commits edit the
+    newest version, so neither undoes the other), the workers take each on at a
+    boundary, the stopped job trains no more and every other job ends bitwise as in the
+    run that neither moved nor stopped."""
+    from adaptipe.runtime.control import stop_jobs
+
+    case = CASES["array-4-jobs-2-sgd-budget-2"]
+    long = 200  # the requests, made at iteration 2, land long before the end
+    train(_config(make_config, case, tmp_path / "still", moves=False, iterations=long))
+    live = tmp_path / "live"
+    asked: list[int] = []
+
+    def on_iteration(record: dict[str, Any], total: int) -> None:
+        if not asked and record["iteration"] >= 2:
+            asked.append(repartition(live, [0, 4, 6]).version)
+            stop_jobs(live, [1], reason="asked with a move")
+
+    cfg = _config(make_config, case, live, moves=False, iterations=long)
+    train(cfg, on_iteration=on_iteration)
+    run = RunDir(live)
+    newest = read_active(run, current_version(run))
+    assert newest.jobs == (0, 2, 3) and set(newest.stopped) == {1}
+    assert newest.partition is not None and newest.partition.bounds == (0, 4, 6)
+    assert len(_control_migrations(live)) == 1 and _control_migrations(live)[0]["ok"]
+    adopted = sorted(adoptions(run).values())
+    assert adopted and adopted[-1] < long // 2, adopted
+    got, want = _final(live, long), _final(tmp_path / "still", long)
+    for job in (0, 2, 3):
+        keys = [k for k in want if k.startswith(f"jobs.{job}.")]
+        assert keys and all(torch.equal(got[k], want[k]) for k in keys), f"job {job}"
+    stopped = [k for k in want if k.startswith("jobs.1.layers.")]
+    assert not all(torch.equal(got[k], want[k]) for k in stopped)  # it trained less
+
+
 def test_repartition_requests_are_checked(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
@@ -286,13 +347,20 @@ def test_repartition_requests_are_checked(
         repartition(tmp_path, [0, 2, 6])
 
 
+@pytest.mark.parametrize("jobs", [1, 4])
 def test_repartition_command_answers_without_loading_torch(
-    make_config: Callable[..., RunConfig],
+    make_config: Callable[..., RunConfig], jobs: int
 ) -> None:
+    """Also for a job-array, whose block order is solved again for the new partition."""
     import subprocess
     import sys
 
-    run, _ = prepare(make_config(train={"iterations": ITERATIONS}))
+    cfg = make_config(train={"iterations": ITERATIONS}, data={"microbatches": 1})
+    if jobs > 1:
+        data = cfg.to_dict()
+        data["sweep"] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}}
+        cfg = RunConfig.from_dict(data, source="test.toml")
+    run, _ = prepare(cfg)
     code = (
         "import sys; from adaptipe.cli import main; "
         f"print(main(['repartition', {str(run.root)!r}, '--bounds', '0,4,6']), "
@@ -304,6 +372,7 @@ def test_repartition_command_answers_without_loading_torch(
     assert done.stdout.splitlines()[-1] == "0 False", done.stdout + done.stderr
     assert "to hold layers [0, 4, 6] (plan version 1)" in done.stdout
     assert read_active(run, 1).partition.bounds == (0, 4, 6)  # type: ignore[union-attr]
+    assert (read_active(run, 1).instance is not None) == (jobs > 1)
 
 
 @pytest.mark.parametrize("method", ["restart", "checkpoint"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,16 @@ from adaptipe.errors import PlanError
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed, prepare, train
-from adaptipe.runtime.planversion import PlanVersion, adoptions, commit_plan, read_active
+from adaptipe.runtime.planversion import (
+    PlanVersion,
+    adoptions,
+    commit_plan,
+    current_version,
+    plan_history,
+    read_active,
+    record_adoption,
+    restore_history,
+)
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.build import build_schedule
@@ -159,3 +169,28 @@ def test_commit_plan_refuses_partitions_that_cannot_run(
             ),
         )
     assert adoptions(run) == {} and not (run.root / "control" / "active.json").exists()
+
+
+def test_a_checkpoints_plan_history_restores_what_the_run_lost(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    run, _ = prepare(_config(make_config, tmp_path / "run"))
+    moved = Partition(model="mlp", num_layers=6, bounds=NEW_BOUNDS)
+    first = commit_plan(run, lambda newest: replace(newest, partition=moved))
+    record_adoption(run, first.version, 3)
+    later = commit_plan(run, lambda newest: replace(newest, partition=None))
+    record_adoption(run, later.version, 12)
+    history = plan_history(run, 10)  # what a checkpoint of iteration 10 records
+    assert [(h["version"], h["iteration"]) for h in history] == [(1, 3)]
+    assert restore_history(run, history, source="ckpt") == []  # nothing was lost
+    for path in (run.root / "control").glob("*.json"):
+        path.unlink()
+    assert restore_history(run, history, source="ckpt") == [1]
+    assert adoptions(run) == {1: 3} and read_active(run, 1).partition == moved
+    assert current_version(run) == 1
+    record_adoption(run, 1, 4)  # another run's record
+    with pytest.raises(PlanError, match=r"came into force at iteration 3, but .* says 4"):
+        restore_history(run, history, source="ckpt")
+    other = [{**history[0], "plan": {**history[0]["plan"], "partition": None}}]
+    with pytest.raises(PlanError, match="plan version 1 differs from"):
+        restore_history(run, other, source="ckpt")

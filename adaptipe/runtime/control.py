@@ -57,6 +57,7 @@ from adaptipe.serial import read_json, write_json
 
 if TYPE_CHECKING:
     from adaptipe.runtime.config import RunConfig
+    from adaptipe.schedule.types import Schedule
 
 __all__ = [
     "ActiveSet",
@@ -342,8 +343,6 @@ class JobController:
         iteration: int | None,
         losses: dict[int, float] | None = None,
     ) -> list[dict[str, Any]]:
-        from adaptipe.runtime.jobarray import plan_active
-
         newest = current_version(self.run)  # a plan committed by another hand (a partition)
         if newest != self.version:
             self.version, self.active = newest, read_active(self.run, newest, self.config)
@@ -353,7 +352,6 @@ class JobController:
             return []
         if not remaining:
             return [{"event": "stop_rejected", "jobs": list(gone), "why": "no job would remain"}]
-        schedule = plan_active(self.config, self.instance, remaining)
         stopped = dict(self.active.stopped)
         for j in gone:
             info: dict[str, Any] = {"reason": reason, "decided_at": iteration}
@@ -361,13 +359,24 @@ class JobController:
                 info["val_loss"] = losses[j]
             stopped[j] = info
         # The new version keeps what the newest says of the partition and window, also
-        # when a re-partition was committed while the solver ran.
+        # when a re-partition was committed while the solver ran (the remaining jobs'
+        # block costs are then that partition's, and solved again).
         jobs_before = self.active.jobs
+        solved: dict[JapspInstance, Schedule] = {}
 
         def stop(current: PlanVersion) -> PlanVersion:
             if current.jobs != jobs_before:
                 raise PlanError(f"{self.run.root}: the active jobs changed while re-planning")
-            return replace(current, jobs=tuple(remaining), schedule=schedule, stopped=stopped)
+            costs = current.block_costs(self.instance, remaining)
+            if costs not in solved:
+                solved[costs] = self._solve(costs)
+            return replace(
+                current,
+                jobs=tuple(remaining),
+                schedule=solved[costs],
+                stopped=stopped,
+                instance=costs if current.instance is not None else None,
+            )
 
         active = commit_plan(self.run, stop)
         version = active.version
@@ -379,6 +388,15 @@ class JobController:
                 "reason": reason,
                 "active": list(remaining),
                 "version": version,
-                "makespan": schedule.meta.get("makespan"),
+                "makespan": active.schedule.meta.get("makespan"),
             }
         ]
+
+    def _solve(self, costs: JapspInstance) -> Schedule:
+        from adaptipe.japsp.array import solve_array
+        from adaptipe.runtime.jobarray import solve_settings
+        from adaptipe.schedule.validate import validate
+
+        schedule, _ = solve_array(costs, solve_settings(self.config))
+        validate(schedule)
+        return schedule

@@ -2,7 +2,8 @@
 
 Rank 0 reads the newest committed version (at a halving rung it first waits for the
 manager's decision, which makes the survivors deterministic; at a scripted re-partition,
-``[[adapt.repartition]]``, it commits that partition first) and broadcasts it; every
+``[[adapt.repartition]]``, it commits that partition first, in a job-array with the
+block order solved for it) and broadcasts it; every
 rank then reads that version's immutable file. Rank 0 records where each version came
 into force, so a resumed run replays the switch at the iteration it happened
 (`PlanFollower.replay_edges`). When the workers cannot take a version's partition on (a
@@ -21,6 +22,7 @@ from adaptipe.errors import PlanError
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.control import is_rung, rung_decided
+from adaptipe.runtime.partition_plan import for_partition
 from adaptipe.runtime.planversion import (
     PlanVersion,
     adoptions,
@@ -109,15 +111,26 @@ class PlanFollower:
         assert self.active is not None
         # At the first boundary (a fresh start or a resume) the stages hold the run's own
         # partition: that is the one to keep.
-        before = self._previous.partition if self._previous is not None else None
+        previous = self._previous
+        before = previous.partition if previous is not None else None
         version = -1
         if self.rank == 0:
             if self.history.get(self.active.version) == iteration:
                 forget_adoption(self.run, self.active.version)
                 del self.history[self.active.version]
-            version = commit_plan(
-                self.run, lambda newest: replace(newest, partition=before)
-            ).version
+
+            def restore(newest: PlanVersion) -> PlanVersion:
+                if previous is not None and previous.jobs == newest.jobs:
+                    # the order and costs that ran before the attempt
+                    return replace(
+                        newest,
+                        partition=before,
+                        schedule=previous.schedule,
+                        instance=previous.instance,
+                    )
+                return for_partition(self.run, newest, before)
+
+            version = commit_plan(self.run, restore).version
             record_adoption(self.run, version, iteration)
             self.history[version] = iteration
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
@@ -135,7 +148,7 @@ class PlanFollower:
             bounds=self.scripted[iteration],
             planner="adapt.repartition",
         )
-        commit_plan(self.run, lambda newest: replace(newest, partition=partition))
+        commit_plan(self.run, lambda newest: for_partition(self.run, newest, partition))
 
     def _wait_for_rung(self, iteration: int) -> None:
         deadline = time.monotonic() + self.wait_s

@@ -15,9 +15,10 @@ the memory budget.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from adaptipe.japsp.array import ArrayCosts, SolveSettings, solve_array
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.plan.partition import Partition
@@ -25,7 +26,7 @@ from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig
 from adaptipe.schedule.types import Backward, Forward, Schedule
 
-__all__ = ["JobArrayPlan", "plan_active", "plan_job_array", "window_for"]
+__all__ = ["JobArrayPlan", "plan_job_array", "solve_settings", "window_for"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class JobArrayPlan:
     schedule: Schedule
     solution: dict[str, Any]
     profiles: dict[int, Profile]
+    costs: ArrayCosts
 
 
 def plan_job_array(
@@ -59,64 +61,31 @@ def plan_job_array(
                 device=config.train.device,
                 optimizer=job.optimizer.profile_kind,
             )
-    forward: list[list[float]] = []
-    backward: list[list[float]] = []
-    update: list[list[float]] = []
-    for job in jobs:
-        layers = profiles[job.batch_size].layers
-        stages = [list(partition.layers(s)) for s in range(partition.num_stages)]
-        forward.append([sum(layers[i].forward_s for i in st) for st in stages])
-        backward.append([sum(layers[i].backward_s for i in st) for st in stages])
-        update.append([sum(layers[i].update_s for i in st) for st in stages])
-    instance = JapspInstance.build(
-        forward,
-        backward,
+    costs = ArrayCosts.from_profiles(
+        [profiles[job.batch_size] for job in jobs],
         names=[job.name for job in jobs],
-        update=update,
         # Recomputation re-runs a block's forward right before its backward (Eq. 6).
-        recompute=[list(row) for row in forward] if config.pipeline.recompute else None,
+        recompute=config.pipeline.recompute,
+        settings=solve_settings(config),
     )
-    schedule, solution = _solve(config, instance)
-    return JobArrayPlan(instance=instance, schedule=schedule, solution=solution, profiles=profiles)
+    instance = costs.instance(partition)
+    schedule, solution = solve_array(instance, costs.settings)
+    return JobArrayPlan(
+        instance=instance, schedule=schedule, solution=solution, profiles=profiles, costs=costs
+    )
 
 
-def _solve(config: RunConfig, instance: JapspInstance) -> tuple[Schedule, dict[str, Any]]:
-    """Solve for one round; (the solver's one-round schedule, the solution record).
-
-    Workers unroll the schedule into windows with `window_for`, which picks the round
-    order per window length; the record holds what it picks for full windows.
-    """
-    from adaptipe.japsp.compile import to_schedule
-    from adaptipe.japsp.evaluate import evaluate
-    from adaptipe.japsp.solve import solve
-    from adaptipe.japsp.window import JITTER, best_window, expected_makespan
-
+def solve_settings(config: RunConfig) -> SolveSettings:
+    """The ``[sweep]`` settings that order and unroll a job-array's blocks."""
     assert config.sweep is not None
-    result = solve(
-        instance,
-        solver=config.sweep.solver,
-        time_limit_s=config.sweep.time_limit_s,
+    sweep = config.sweep
+    return SolveSettings(
+        solver=sweep.solver,
+        time_limit_s=sweep.time_limit_s,
         seed=config.train.seed,
+        window=sweep.window,
+        memory_budget=sweep.memory_budget,
     )
-    solution = result.to_json()
-    schedule = to_schedule(instance, result.orders)
-    meta: dict[str, Any] = {"makespan": result.makespan, "solver": result.solver}
-    rounds = config.sweep.rounds(instance.num_jobs, instance.num_stages)
-    budget = config.sweep.memory_budget
-    orders, window = best_window(instance, result.orders, rounds, budget=budget)
-    if rounds > 1 or orders != result.orders:
-        meta.update(window=rounds, window_makespan=window.makespan, round_order=window.order)
-        solution["window"] = {
-            "rounds": rounds,
-            "makespan": window.makespan,
-            "per_iteration": window.makespan / rounds,
-            "jittered_makespan": expected_makespan(instance, window, jitter=JITTER),
-            "rule": window.rule,
-            "round_order": window.order,
-            "round_orders": [[f"{k}{j}" for k, j in stage] for stage in orders],
-            "round_makespan": evaluate(instance, orders).makespan,
-        }
-    return replace(schedule, meta={**schedule.meta, **meta}), solution
 
 
 def window_for(
@@ -148,21 +117,5 @@ def window_for(
     ]
     _, window = best_window(instance, orders, rounds, budget=budget)
     schedule = window_schedule(instance, window, name=base.name)
-    validate(schedule)
-    return schedule
-
-
-def plan_active(config: RunConfig, instance: JapspInstance, jobs: list[int]) -> Schedule:
-    """Re-plan an array for the jobs still running (sweep indices, in order).
-
-    Uses the run's JAPSP instance restricted to those jobs' rows, so nothing is profiled
-    again; the schedule numbers them 0..k-1 (see `adaptipe.runtime.control.ActiveSet`).
-    """
-    from adaptipe.schedule.validate import validate
-
-    assert config.sweep is not None
-    if not jobs or any(not 0 <= j < instance.num_jobs for j in jobs):
-        raise ValueError(f"plan_active: jobs {jobs} must be a non-empty subset of the array")
-    schedule, _ = _solve(config, instance.select(jobs))
     validate(schedule)
     return schedule

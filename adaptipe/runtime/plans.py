@@ -57,6 +57,8 @@ def resolve_plans(config: RunConfig) -> Plans:
         extra = {
             "japsp-instance.json": planned.instance.to_json(),
             "japsp-solution.json": planned.solution,
+            # per-layer costs and solver settings: a re-partition's instance and order
+            "japsp-costs.json": planned.costs.to_json(),
         }
         first = planned.profiles[config.jobs[0].batch_size]
         return Plans(partition, planned.schedule, profile or first, extra)

@@ -4,13 +4,16 @@ The manager (or a user, through `commit_plan`) *commits* a new version; every wo
 *adopts* it at the same iteration boundary (rank 0 reads the newest version and
 broadcasts it, `adaptipe.runtime.follower.PlanFollower`), and the boundary is recorded so
 that a resumed run replays the switch where it happened. A version that changes the
-partition moves layers between stages at that boundary (through a checkpoint written
-there, `adaptipe.runtime.worker`); one that changes the active jobs stops jobs of a
+partition moves layers between stages at that boundary (`adaptipe.runtime.migration`, or
+through a checkpoint written there, as ``[adapt].method`` says; in a job-array it also
+carries the block costs and order solved for that partition,
+`adaptipe.runtime.partition_plan`); one that changes the active jobs stops jobs of a
 job-array (`adaptipe.runtime.control`).
 
 Files under ``RUN_DIR/control/``::
 
-    active-NNNN.json   version N: jobs, stopped jobs, schedule, partition (immutable)
+    active-NNNN.json   version N: jobs, stopped jobs, schedule, partition, block costs
+                       (immutable)
     active.json        {"version": N}: the newest version (the commit point)
     adopted-NNNN.json  {"version": N, "iteration": I}: the workers switched to version N
                        at the boundary before iteration I
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
+from adaptipe.japsp.instance import JapspInstance
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.schedule.types import Instruction, Schedule
@@ -42,10 +46,12 @@ __all__ = [
     "commit_plan",
     "current_version",
     "forget_adoption",
+    "plan_history",
     "read_active",
     "record_adoption",
     "remap_jobs",
     "replans",
+    "restore_history",
 ]
 
 ACTIVE_KIND = "active_set"
@@ -61,7 +67,9 @@ class PlanVersion:
     ``jobs[i]`` is the sweep index of its job ``i``. `global_schedule` gives the same
     instruction lists with sweep indices, which is what the workers execute.
     ``partition`` None keeps the run's partition; ``window`` None keeps the run's rule
-    (``[sweep].window``).
+    (``[sweep].window``). ``instance`` (job-arrays) holds the active jobs' block costs
+    under this version's partition, in ``schedule``'s job numbering; None: the run's
+    ``japsp-instance.json`` (the costs under the run's own partition) holds them.
     """
 
     version: int
@@ -70,6 +78,16 @@ class PlanVersion:
     stopped: dict[int, dict[str, Any]] = field(default_factory=dict)  # job -> why, when
     partition: Partition | None = None
     window: int | None = None
+    instance: JapspInstance | None = None
+
+    def block_costs(self, base: JapspInstance, jobs: Sequence[int] | None = None) -> JapspInstance:
+        """The block costs of ``jobs`` (sweep indices; default: this version's active
+        jobs, in order) under this version's partition. ``base`` is the run's instance
+        (every job, sweep numbering), which holds them where ``instance`` is None."""
+        chosen = list(self.jobs if jobs is None else jobs)
+        if self.instance is None:
+            return base.select(chosen)
+        return self.instance.select([self.jobs.index(j) for j in chosen])
 
     def global_schedule(self, num_jobs: int) -> Schedule:
         return remap_jobs(self.schedule, self.jobs, num_jobs)
@@ -84,6 +102,7 @@ class PlanVersion:
             "schedule": self.schedule.to_json(),
             **({"partition": self.partition.to_json()} if self.partition is not None else {}),
             **({"window": self.window} if self.window is not None else {}),
+            **({"instance": self.instance.to_json()} if self.instance is not None else {}),
         }
 
     @classmethod
@@ -109,6 +128,15 @@ class PlanVersion:
             if data.get("partition") is not None
             else None
         )
+        instance = (
+            JapspInstance.from_json(data["instance"], source=f"{source}: instance")
+            if data.get("instance") is not None
+            else None
+        )
+        if instance is not None and instance.num_jobs != len(jobs):
+            raise PlanError(
+                f"{source}: the instance has {instance.num_jobs} jobs but {len(jobs)} are active"
+            )
         return cls(
             version=version,
             jobs=jobs,
@@ -116,6 +144,7 @@ class PlanVersion:
             stopped=stopped,
             partition=partition,
             window=window,
+            instance=instance,
         )
 
 
@@ -227,6 +256,54 @@ def _control(run: RunDir) -> Path:
     return run.root / "control"
 
 
+def plan_history(run: RunDir, upto: int) -> list[dict[str, Any]]:
+    """The versions the workers had switched to by iteration ``upto``, in order, each
+    ``{"version", "iteration", "plan"}`` (the version file's content): what a checkpoint
+    of that iteration records, so that a resume can replay the switches from it alone."""
+    out = []
+    for version, iteration in sorted(adoptions(run).items(), key=lambda item: item[1]):
+        if iteration <= upto:
+            plan = read_json(_version_path(run, version))
+            out.append({"version": version, "iteration": iteration, "plan": plan})
+    return out
+
+
+def restore_history(run: RunDir, history: Sequence[Any], *, source: str) -> list[int]:
+    """Put a checkpoint's plan history (`plan_history`) back into ``run``'s control
+    folder where it is missing; returns the versions restored.
+
+    A version file or adoption record that is there but says otherwise is an error
+    (the checkpoint is from another run): nothing is overwritten.
+    """
+    restored = []
+    for entry in history:
+        try:
+            version, iteration = int(entry["version"]), int(entry["iteration"])
+            plan = PlanVersion.from_json(entry["plan"], source=f"{source}: version {version}")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{source}: malformed plan history ({exc})") from None
+        path = _version_path(run, version)
+        _control(run).mkdir(parents=True, exist_ok=True)
+        if not _create(path, entry["plan"], strict=False) and read_active(run, version) != plan:
+            raise PlanError(
+                f"{source}: plan version {version} differs from {path}; the checkpoint is "
+                "not from this run"
+            )
+        recorded = adoptions(run).get(version)
+        if recorded is None:
+            record_adoption(run, version, iteration)
+            restored.append(version)
+        elif recorded != iteration:
+            raise PlanError(
+                f"{source}: plan version {version} came into force at iteration {iteration}, "
+                f"but {_adopted_path(run, version)} says {recorded}; the checkpoint is not "
+                "from this run"
+            )
+        if current_version(run) < version:
+            write_json(_control(run) / "active.json", {"version": version})
+    return restored
+
+
 def record_adoption(run: RunDir, version: int, iteration: int) -> None:
     """Say that the workers switched to ``version`` at the boundary before ``iteration``."""
     write_json(_adopted_path(run, version), {"version": version, "iteration": iteration})
@@ -281,6 +358,15 @@ def _check_runnable(run: RunDir, plan: PlanVersion, base: Schedule) -> None:
             f"{shape[2]} micro-batches; the workers run {base.num_stages}, {base.num_chunks} "
             f"and {base.num_microbatches} (stage processes, their transport and data do not "
             "change)"
+        )
+    if plan.instance is not None and (
+        plan.instance.num_jobs,
+        plan.instance.num_stages,
+    ) != (len(plan.jobs), sched.num_stages):
+        raise PlanError(
+            f"{run.root}: the new block costs are for {plan.instance.num_jobs} jobs on "
+            f"{plan.instance.num_stages} stages; the plan runs {len(plan.jobs)} jobs on "
+            f"{sched.num_stages}"
         )
     if plan.partition is None:
         return

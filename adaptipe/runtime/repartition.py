@@ -1,7 +1,9 @@
 """Ask a running pipeline to take on another partition: `repartition`, and
 ``adaptipe repartition RUN_DIR --bounds 0,3,8``.
 
-The request is a plan version with the new partition, committed in the run directory;
+The request is a plan version with the new partition (in a job-array, with the block
+order solved again for it, `adaptipe.runtime.partition_plan`), committed in the run
+directory;
 the workers adopt it at their next boundary and move the layers there (live, or through
 a checkpoint, as ``[adapt].method`` says). Nothing here imports torch, so the request
 leaves at once.
@@ -11,12 +13,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from adaptipe.errors import PlanError
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.control import has_finished
+from adaptipe.runtime.partition_plan import for_partition
 from adaptipe.runtime.planversion import (
     PlanVersion,
     adoptions,
@@ -75,7 +77,7 @@ def repartition(run_dir: str | os.PathLike[str], bounds: Sequence[int]) -> PlanV
     now = in_force.bounds if in_force is not None else base.bounds
     if partition.bounds == now:
         raise PlanError(f"{run.root}: the stages already hold {list(now)}; nothing to move")
-    return commit_plan(run, lambda newest: replace(newest, partition=partition))
+    return commit_plan(run, lambda newest: for_partition(run, newest, partition))
 
 
 def _partition_in_force(run: RunDir) -> Partition | None:

@@ -1,7 +1,9 @@
 """Checkpoints of a running pipeline: every stage saves its own layers, rank 0 commits.
 
 Each stage writes its layers' tensors under global keys (`Stage.tensors`), so the
-checkpoint loads under any partition; rank 0 seals it once every stage has saved.
+checkpoint loads under any partition; rank 0 seals it once every stage has saved, with
+the plan history up to that iteration (`plan_history`: each version the workers
+switched to, and where), which a resume puts back where the run directory lost it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.planversion import plan_history
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stagestate import Stage
 
@@ -45,6 +48,8 @@ def save_checkpoint(
                 "num_layers": num_layers,
                 "jobs": [job.name for job in config.jobs],
                 "steps": steps,
+                # the plan versions in force so far: a resume replays the switches
+                "plans": plan_history(run, iteration),
             },
         )
         if config.train.keep_checkpoints > 0:

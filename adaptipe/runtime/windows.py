@@ -3,8 +3,9 @@
 One job runs one iteration at a time: its window is its plan's schedule. A job-array
 runs windows of several iterations (`adaptipe.japsp.window`): round r of a job is its
 micro-batch r of the window's schedule. Every worker unrolls the same one-round
-schedule with the same block costs (the run's JAPSP instance), so all agree on every
-window without talking. A window ends early where a checkpoint, a halving rung, a
+schedule with the same block costs (the plan version's, which are the run's JAPSP
+instance until a re-partition brings its own), so all agree on every window without
+talking. A window ends early where a checkpoint, a halving rung, a
 recorded switch or the traced range sits, so those land on a boundary.
 """
 
@@ -114,7 +115,7 @@ class Windows:
 
         assert self.instance is not None, "job states are offloaded only in job-arrays"
         plan = self.plan
-        local = window_for(plan.schedule, self.instance.select(plan.jobs), 1, budget=self.budget)
+        local = window_for(plan.schedule, plan.block_costs(self.instance), 1, budget=self.budget)
         return block_order(remap_jobs(local, plan.jobs, self.num_jobs).stages[self.stage.rank])
 
     def _unrolled(self, rounds: int) -> Schedule:
@@ -124,7 +125,7 @@ class Windows:
 
         plan = self.plan
         local = window_for(
-            plan.schedule, self.instance.select(plan.jobs), rounds, budget=self.budget
+            plan.schedule, plan.block_costs(self.instance), rounds, budget=self.budget
         )
         return remap_jobs(local, plan.jobs, self.num_jobs)
 

@@ -59,7 +59,7 @@ from adaptipe.runtime.hooks import (
     worker_hooks,
 )
 from adaptipe.runtime.migration import layers_of, migrate
-from adaptipe.runtime.planversion import PlanVersion
+from adaptipe.runtime.planversion import PlanVersion, restore_history
 from adaptipe.runtime.records import done_record, iteration_record, log
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import MicroBatches
@@ -143,7 +143,9 @@ class _Worker:
         spec = get_model(config.model.name, **config.model.config)
         partition, schedule = run.read_partition(), run.read_schedule()
         stage = build_stage(spec, partition, schedule, proc.rank, config, device)
-        start = _resume(run, spec, stage) if resume else 0
+        start = _resume(run, spec, stage, restore=proc.rank == 0) if resume else 0
+        if resume:
+            dist.barrier()  # rank 0 restored the checkpoint's plan history: all read it
         stage_holds = (schedule.place(0)[0], schedule.place(schedule.num_virtual_stages - 1)[0])
         holds = (stage_holds[0] == proc.rank, stage_holds[1] == proc.rank)
         dataset = spec.dataset(split=config.data.split)
@@ -403,8 +405,10 @@ class _Worker:
         )
 
 
-def _resume(run: RunDir, spec: ModelSpec, stage: Stage) -> int:
-    """Load the latest checkpoint into ``stage``; return its iteration (0: none)."""
+def _resume(run: RunDir, spec: ModelSpec, stage: Stage, *, restore: bool) -> int:
+    """Load the latest checkpoint into ``stage``; return its iteration (0: none).
+    ``restore``: put the checkpoint's plan history back into the run's control folder
+    where it is missing (one worker does)."""
     found = ckpt.latest(run.checkpoints)
     if found is None:
         return 0
@@ -413,6 +417,9 @@ def _resume(run: RunDir, spec: ModelSpec, stage: Stage) -> int:
     )
     stage.load(tensors)
     stage.resume_steps(int(meta.get("meta", {}).get("steps", 0)))
+    history = meta.get("meta", {}).get("plans", [])  # absent in older checkpoints
+    if restore and history:
+        restore_history(run, history, source=str(found / ckpt.COMMITTED))
     return int(meta["iteration"])
 
 
