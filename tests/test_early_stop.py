@@ -293,7 +293,7 @@ def test_stop_says_when_no_manager_will_answer(
     assert main(["stop", str(run.root), "1"]) == 0
     said = capsys.readouterr()
     assert "no `adaptipe train`" not in said.err
-    assert "the workers switch at the next window boundary" in said.out
+    assert "the workers switch at the next iteration" in said.out
     marker = run.root / "control" / "manager.json"
     marker.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname()}))
     assert manager_running(run) is False

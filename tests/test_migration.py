@@ -184,6 +184,29 @@ def test_a_run_killed_between_two_migrations_resumes_bitwise(
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
+def test_a_move_where_a_checkpoint_is_due_resumes_from_that_checkpoint_bitwise(
+    make_config: Callable[..., RunConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Defined outcome of a checkpoint due at a move's boundary: it is written first, on
+    the partition before the move, and a resume from it replays the move there."""
+    case = dict(CASES["1f1b-2-adam-one-job"], moves=[(5, [0, 2, 6]), (8, [0, 4, 6])])
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    monkeypatch.setenv(FAULT_ENV, "0:6")  # after the move at 5, before the one at 8
+    with pytest.raises(StageFailed, match="InjectedFault"):
+        train(_config(make_config, case, moved, moves=True))
+    monkeypatch.delenv(FAULT_ENV)
+    found = ckpt.latest(moved / "checkpoints")
+    assert found is not None
+    _, meta = ckpt.load(found)
+    assert meta["iteration"] == 5 and meta["meta"]["plans"] == []  # written before the move
+    layers = [json.loads((found / f"stage-{s}.json").read_text())["layers"] for s in (0, 1)]
+    assert layers == [[0, 1, 2], [3, 4, 5]]
+    train(_config(make_config, case, moved, moves=True), run_dir=moved, resume=True)
+    assert sorted(adoptions(RunDir(moved)).values()) == [5, 8]
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
 @pytest.mark.parametrize("fault", ["corrupt:0", "raise:0", "late:0", "refuse:1"])
 def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
     make_config: Callable[..., RunConfig],

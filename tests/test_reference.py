@@ -186,6 +186,19 @@ def test_round_feed_finish_keeps_the_stream_aligned_and_drops_unneeded_sides() -
     assert torch.equal(later[0], list(islice(BatchStream(dataset, batch_size=12, seed=3), 4))[3][0])
 
 
+def test_a_window_cut_short_reads_only_the_rounds_that_ran() -> None:
+    dataset = mlp().dataset()
+    stream = BatchStream(dataset, batch_size=12, seed=3)
+    feed = RoundFeed(stream, rounds=5, per_round=1)
+    feed[0]
+    feed.finish(upto=2)  # the window ended before round 2: round 1 is still read
+    assert stream.iteration == 2
+    feed = RoundFeed(stream, rounds=5, per_round=1)
+    feed[1]
+    with pytest.raises(ValueError, match=r"finish\(upto=1\): 2 of 5 rounds read"):
+        feed.finish(upto=1)
+
+
 def test_loss_scale_makes_each_step_a_sample_mean() -> None:
     assert loss_scale(build_schedule("gpipe", stages=2, microbatches=4)) == 0.25
     assert loss_scale(build_schedule("interleaved", stages=2, microbatches=4, chunks=2)) == 0.25

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     started = rundir.metrics.exists() or any((rundir.root / "stages").glob("stage-*.jsonl"))
     manager = manager_running(rundir)
     if manager is not False:  # here, or on another host
-        print("the manager re-plans the array; the workers switch at the next window boundary")
+        print("the manager re-plans the array; the workers switch at the next iteration")
     elif not started:
         print(
             "note: this run has not started training and no manager acts on the request; "

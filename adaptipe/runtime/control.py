@@ -5,8 +5,8 @@ A job of a running array can be stopped by the user (``adaptipe stop RUN_DIR JOB
 Either way the manager re-plans the block order for the remaining jobs from the run's
 JAPSP instance (no re-profiling) and commits a new plan version with the remaining jobs
 (`adaptipe.runtime.planversion`); the workers adopt it
-at the next window boundary (an iteration boundary where nothing is in flight; with
-``[sweep] window = W`` at most W iterations later), without a restart. The
+at the next iteration boundary (the window that runs is cut short there,
+`adaptipe.runtime.windowcut`), without a restart. The
 remaining jobs' numerics are untouched: each job's state, data stream and optimizer
 only ever see that job's blocks.
 
@@ -87,7 +87,7 @@ def _control(run: RunDir) -> Path:
 
 def unadopted_stops(run: RunDir, config: RunConfig | None = None) -> dict[int, dict[str, Any]]:
     """Stops committed after the workers' last switch, ``{job: why}``: the run ended
-    before the next window boundary, so those jobs trained to the end."""
+    before the next iteration boundary, so those jobs trained to the end."""
     adopted = adoptions(run)
     last = max(adopted, default=0)
     newest = current_version(run)

@@ -174,9 +174,13 @@ class RoundFeed(Sequence[Pair]):
         """Rounds whose tensors are held now."""
         return len(self._held)
 
-    def finish(self) -> None:
-        """Read the rounds not asked for and drop everything held."""
-        while self._read < self._rounds:
+    def finish(self, upto: int | None = None) -> None:
+        """Read the rounds not asked for, up to round ``upto`` (None: all of them; fewer
+        where a window was cut short), and drop everything held."""
+        end = self._rounds if upto is None else upto
+        if not 0 <= end <= self._rounds or self._read > end:
+            raise ValueError(f"finish(upto={upto}): {self._read} of {self._rounds} rounds read")
+        while self._read < end:
             next(self._stream)
             self._read += 1
         self._held.clear()

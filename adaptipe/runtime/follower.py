@@ -100,6 +100,12 @@ class PlanFollower:
         self._previous, self.active = self.active, read_active(self.run, version, self.config)
         return self.active
 
+    def pending(self) -> bool:
+        """Rank 0: a version newer than any in force or recorded has been committed (the
+        workers take it on at their next iteration boundary)."""
+        newest = max([self.active.version if self.active is not None else 0, *self.history])
+        return current_version(self.run) > newest
+
     def failed(self, iteration: int) -> PlanVersion:
         """The workers could not take on the partition of the version `at_boundary`
         returned (a failed migration): the rest of it stands, with the partition before,

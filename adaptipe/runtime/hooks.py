@@ -17,9 +17,10 @@ from typing import Protocol
 
 from adaptipe.monitor.schema import LinkSample
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.records import per_iteration, stage_stats
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.stage import IterationStats, StageExecutor
+from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.stagestate import Stage
 from adaptipe.runtime.trace import TraceRecorder
 

@@ -54,6 +54,12 @@ class LocalTransport:
     ) -> None:
         self._epoch = iteration
 
+    def hold_posts(self, limit: int | None) -> None:
+        pass  # nothing is posted ahead: a mailbox holds what was sent
+
+    def drop_unposted(self, keep: Callable[[TransferKey], bool]) -> None:
+        pass
+
     def recv(self, key: TransferKey) -> torch.Tensor:
         t0 = time.perf_counter()
         tensor = self.mailbox.take(self.rank, self._epoch, key, self.timeout_s)

@@ -201,6 +201,19 @@ class MemoryManager:
             self._awaiting_step.add(job)  # its gradients wait for the just-in-time step
         self._prefetch(pos, pinned=self._open_after[pos] | self._awaiting_step | {job})
 
+    def skip_block(self, job: int) -> None:
+        """The next block of the order (``job``'s) does not run: a window was cut short.
+        The order goes on past it; the next window reorders anyway."""
+        if not self.enabled:
+            return
+        pos = self._clock % self._n
+        if self.order[pos] != job:
+            raise RuntimeError(
+                f"block {pos} of this stage's order is job {self.order[pos]}, but the executor "
+                f"skips job {job}"
+            )
+        self._clock += 1
+
     def after_step(self, job: int) -> None:
         """``job``'s optimizer step on this stage is done: it may now be offloaded."""
         if not self.enabled or job not in self._awaiting_step:

@@ -15,9 +15,9 @@ from typing import Any, TextIO
 import torch
 
 from adaptipe.monitor.schema import StageStats
+from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.stage import IterationStats
 from adaptipe.serial import json_line
 
 __all__ = ["done_record", "iteration_record", "log", "per_iteration", "stage_stats"]

@@ -32,10 +32,12 @@ from torch.func import functional_call
 
 from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.runtime.binder import Binder
+from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, TensorSpec, TransferKey, Transport
+from adaptipe.runtime.windowcut import RoundGate, WindowRounds, rounds_of
 from adaptipe.schedule.types import (
     Backward,
     Forward,
@@ -53,31 +55,6 @@ __all__ = ["IterationStats", "LayerSlot", "MicroBatches", "StageExecutor"]
 
 MicroBatches = Sequence[tuple[Tensor | None, Tensor | None]]
 """One job's ``(input, target)`` per micro-batch; read when a block first needs one."""
-
-
-@dataclass(slots=True)
-class IterationStats:
-    """What one iteration cost this stage (seconds) and, on the last stage, the loss."""
-
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-    comm_s: float = 0.0
-    iteration_s: float = 0.0
-    loss: float | None = None  # mean over micro-batches (and, of each job's mean, over jobs)
-    losses: dict[int, float] = field(default_factory=dict)  # per job, summed over micro-batches
-    microbatch_losses: dict[tuple[int, int], float] = field(default_factory=dict)  # (job, mb)
-    # Per global layer: forward time measured layer by layer; backward time is measured per
-    # chunk and split across its layers in proportion to their forward time (autograd runs
-    # a chunk's backward as one call); batched weight gradients, computed at the step for
-    # the whole stage, are split the same way over all its layers.
-    layer_forward_s: dict[int, float] = field(default_factory=dict)
-    layer_backward_s: dict[int, float] = field(default_factory=dict)
-    max_in_flight: int = 0
-    # Job-arrays: the most job states resident at once, the time blocks waited for
-    # offloaded ones and how many were loaded only when needed (`MemoryManager`).
-    resident_jobs: int = 0
-    state_wait_s: float = 0.0
-    state_misses: int = 0
 
 
 @dataclass(slots=True)
@@ -172,6 +149,7 @@ class StageExecutor:
         # Set by the worker for the iterations it traces ([train] trace_iterations).
         self.trace: TraceRecorder | None = None
         self._versions_after = self._versions_needed_after() if self.versioned else []
+        self._rounds: tuple[int, list[int]] | None = None  # (per round, round of each pos)
 
     # ------------------------------------------------------------------ planning
     def _vstage(self, chunk: int) -> int:
@@ -289,17 +267,25 @@ class StageExecutor:
             self._layer_bwd[i] = self._layer_bwd.get(i, 0.0) + seconds * share
 
     # ------------------------------------------------------------------ execution
-    def run_iteration(self, iteration: int, microbatches: Sequence[MicroBatches]) -> IterationStats:
+    def run_iteration(
+        self,
+        iteration: int,
+        microbatches: Sequence[MicroBatches],
+        gate: RoundGate | None = None,
+    ) -> IterationStats:
         """Execute the instruction list once.
 
         Args:
             iteration: global iteration index (window index for asynchronous schedules).
             microbatches: per job, per micro-batch ``(input, target)``; input is used by
                 the worker holding virtual stage 0, target by the one holding the last.
+            gate: for a job-array window, asked before each round whether it runs
+                (`adaptipe.runtime.windowcut`); ``stats.cut_at`` says where it stopped.
         """
         t_start = time.perf_counter()
         transport = self.transport
         transport.start_iteration(iteration, self._receives)
+        rounds = self._window_rounds(gate)
         if self.memory is not None:
             self.memory.begin_iteration()
         # Asynchronous windows drain completely, so version 0 of this window's
@@ -311,6 +297,10 @@ class StageExecutor:
         self._wgrad.clear()
         with self._deferring():
             for pos, ins in enumerate(self.program):
+                if rounds is not None and not rounds.runs(pos):
+                    if self.memory is not None and isinstance(ins, Forward | Recompute | Backward):
+                        self.memory.skip_block(ins.job)
+                    continue
                 match ins:
                     case RecvActivation(job=j, microbatch=m, chunk=c):
                         key = TransferKey(j, m, self._vstage(c), ACTIVATION)
@@ -339,7 +329,17 @@ class StageExecutor:
             )
         transport.flush()
         self._snapshots.clear()
+        it.stats.cut_at = rounds.cut if rounds is not None else None
         return self._finish(it, t_start)
+
+    def _window_rounds(self, gate: RoundGate | None) -> WindowRounds | None:
+        if gate is None:
+            return None
+        if self._rounds is None or self._rounds[0] != gate.per_round:
+            self._rounds = (gate.per_round, rounds_of(self.program, gate.per_round))
+        rounds = WindowRounds(self._rounds[1], self._receives, gate, self.transport)
+        rounds.start()
+        return rounds
 
     def _forward(self, ins: Forward, it: _Iteration) -> float:
         j, m, c = ins.job, ins.microbatch, ins.chunk

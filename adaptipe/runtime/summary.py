@@ -17,7 +17,7 @@ from adaptipe.serial import finite
 
 __all__ = ["LATE_STOP", "TrainSummary", "rank_jobs", "summarise"]
 
-LATE_STOP = "the run ended before the next window boundary: trained to the end"
+LATE_STOP = "the run ended before the next iteration boundary: trained to the end"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

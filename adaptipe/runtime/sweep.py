@@ -41,8 +41,9 @@ job still trains exactly as alone. Each window boundary costs about one block on
 of the S stages, a share (S - 1) / (W x J) of a window of J jobs; ``"auto"`` (the
 default, `adaptipe.japsp.window.auto_window`) takes the fewest iterations that keep it at 2% or less, at most
 32, from the jobs still running. Checkpoints, halving rungs and the traced iterations
-end a window early; a stop request takes effect at the next window boundary (at most W
-iterations later), and so does injected interference. Metrics and telemetry keep one
+end a window early; a stop request (any newly committed plan version) cuts the window
+that runs at the next iteration (`adaptipe.runtime.windowcut`); injected interference
+takes effect at the next window boundary (at most W iterations later). Metrics and telemetry keep one
 record per iteration; a window's iterations share its time evenly.
 """
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -118,6 +119,10 @@ class Transport(Protocol):
         self, iteration: int, receives: list[tuple[TransferKey, int, TensorSpec]]
     ) -> None: ...
 
+    def hold_posts(self, limit: int | None) -> None: ...
+
+    def drop_unposted(self, keep: Callable[[TransferKey], bool]) -> None: ...
+
     def recv(self, key: TransferKey) -> torch.Tensor: ...
 
     def send(self, tensor: torch.Tensor, dst: int, key: TransferKey) -> None: ...
@@ -170,6 +175,7 @@ class P2PTransport:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
         self._plan: list[tuple[TransferKey, int, TensorSpec]] = []
         self._next = 0
+        self._limit = 0  # receives of the plan that may be posted (`hold_posts`)
         self._posted: dict[TransferKey, _PendingRecv] = {}
         self._epoch = 0
         self.wait_s = 0.0
@@ -202,10 +208,26 @@ class P2PTransport:
         self._epoch = epoch
         self._plan = receives
         self._next = 0
+        self._limit = len(receives)
+        self._post_ahead()
+
+    def hold_posts(self, limit: int | None) -> None:
+        """Post no more than the first ``limit`` receives of the iteration's plan (None:
+        all) until told otherwise: the receives of a window's next round wait until the
+        stages know that the round runs (`adaptipe.runtime.windowcut`)."""
+        self._limit = len(self._plan) if limit is None else min(limit, len(self._plan))
+        self._post_ahead()
+
+    def drop_unposted(self, keep: Callable[[TransferKey], bool]) -> None:
+        """Forget the planned receives not posted yet that ``keep`` rejects (a window cut
+        short: nobody sends them), and post the rest as usual."""
+        self._plan = self._plan[: self._next] + [r for r in self._plan[self._next :] if keep(r[0])]
+        self._limit = len(self._plan)
         self._post_ahead()
 
     def _post_ahead(self) -> None:
-        while self._next < len(self._plan) and len(self._posted) < self._lookahead:
+        limit = min(self._limit, len(self._plan))
+        while self._next < limit and len(self._posted) < self._lookahead:
             key, src, spec = self._plan[self._next]
             self._next += 1
             buf = torch.empty(

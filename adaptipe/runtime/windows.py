@@ -77,6 +77,11 @@ class Windows:
             self.plan = plan
             self._executors.clear()
 
+    def interrupted(self) -> None:
+        """The window was cut short: the next one re-seats the memory manager's order
+        (it stopped part way through this one's)."""
+        self._running = None
+
     def schedule(self) -> Schedule:
         """The plan's one-window schedule with sweep job indices (what runs)."""
         return remap_jobs(self.plan.schedule, self.plan.jobs, self.num_jobs)

@@ -58,6 +58,7 @@ from adaptipe.runtime.hooks import (
     telemetry_address,
     worker_hooks,
 )
+from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.migration import layers_of, migrate
 from adaptipe.runtime.planversion import PlanVersion, restore_history
 from adaptipe.runtime.records import done_record, iteration_record, log
@@ -66,6 +67,7 @@ from adaptipe.runtime.stage import MicroBatches
 from adaptipe.runtime.stage_checkpoint import save_checkpoint
 from adaptipe.runtime.stagestate import Stage, build_stage
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, wire_device
+from adaptipe.runtime.windowcut import WindowCut
 from adaptipe.runtime.windows import Windows, memory_manager, window_end
 from adaptipe.serial import load_json_file, read_json
 
@@ -129,6 +131,7 @@ class _Worker:
     windows: Windows
     follower: PlanFollower
     holds: tuple[bool, bool]  # (first virtual stage, last virtual stage)
+    cut: WindowCut | None = None  # job-arrays: ends a window when a plan comes mid-way
     active: set[int] = field(default_factory=set)
 
     @property
@@ -194,6 +197,16 @@ class _Worker:
             wait_s=0.8 * config.train.timeout_s,
             group=group,
         )
+        cut = None
+        if config.sweep is not None and proc.world > 1:
+            cut = WindowCut(
+                rank=proc.rank,
+                world=proc.world,
+                per_round=m,
+                newer=follower.pending,
+                group=dist.new_group(backend="gloo"),  # its words alone
+                max_rounds=longest,
+            )
         worker = cls(
             run=run,
             config=config,
@@ -210,6 +223,7 @@ class _Worker:
             windows=windows,
             follower=follower,
             holds=holds,
+            cut=cut,
             active=set(range(len(jobs))),
         )
         worker.handshake()
@@ -244,9 +258,13 @@ class _Worker:
                 for hook in hooks:
                     hook.before_window(window)
                 feeds = self.feeds(window.rounds)
-                stats = window.executor.run_iteration(epoch, self.microbatches(feeds, window))
+                stats = self.run_window(window, epoch, feeds)
+                if stats.cut_at is not None:  # a plan was committed: it comes in now
+                    stop = it + stats.cut_at
+                    cut = {"event": "window_cut", "stage": rank, "iteration": stop}
+                    log(fh, {**cut, "planned": window.stop})
                 for feed in feeds.values():
-                    feed.finish()
+                    feed.finish(upto=stop - it)
                 epoch += 1
                 window = Window(it, stop, window.executor, begun, time.time(), stats, plan)
                 self.record(window, fh)
@@ -259,6 +277,19 @@ class _Worker:
             for hook in hooks:
                 hook.finish(self.total)
             log(fh, done_record(rank, stage.steps_done, stage.memory))
+
+    def run_window(self, window: Window, epoch: int, feeds: dict[int, RoundFeed]) -> IterationStats:
+        """Run ``window``; a job-array window ends early, at the next iteration, when a
+        plan version is committed while it runs (`adaptipe.runtime.windowcut`)."""
+        cut = self.cut if window.rounds > 1 else None
+        if cut is not None:
+            cut.begin(epoch, window.rounds)
+        stats = window.executor.run_iteration(epoch, self.microbatches(feeds, window), cut)
+        if cut is not None:
+            cut.end()
+        if stats.cut_at is not None:
+            self.windows.interrupted()
+        return stats
 
     # ------------------------------------------------------------------ plan versions
     def adopt(self, plan: PlanVersion, it: int, fh: TextIO) -> None:
