@@ -215,8 +215,8 @@ def train_demo(out: Path, *, iterations: int = 100) -> dict[str, Any]:
     import shutil
 
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from adaptipe.cli.progress import training_progress
     from adaptipe.runtime import train
     from adaptipe.runtime.config import RunConfig
     from adaptipe.runtime.export import load_trained_model
@@ -229,22 +229,7 @@ def train_demo(out: Path, *, iterations: int = 100) -> dict[str, Any]:
     config = RunConfig.from_dict(data, source="adaptipe.demo")
     shutil.rmtree(out / "train", ignore_errors=True)  # the demo always starts afresh
     console.print("training gpt over 2 stage processes (1F1B, DynPipe partition) ...")
-    columns = (
-        TextColumn("[bold]train[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[rate]} samples/s"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=iterations, loss="-", rate="-")
-
-        def on_iteration(rec: dict[str, Any], total: int) -> None:
-            loss = "-" if rec["loss"] is None else f"{rec['loss']:.3f}"
-            rate = "-" if rec["samples_per_s"] is None else f"{rec['samples_per_s']:.0f}"
-            bar.update(task, completed=rec["iteration"] + 1, loss=loss, rate=rate)
-
+    with training_progress(console=console, remaining=False) as on_iteration:
         summary = train(config, on_iteration=on_iteration)
     run = RunDir(summary.run_dir)
     metrics = run.read_metrics()

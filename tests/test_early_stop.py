@@ -271,7 +271,7 @@ def test_workers_without_a_manager_refuse_halving_at_once(
     monkeypatch.delenv(MANAGER_ENV, raising=False)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(PlanError, match=r"\[sweep\].halving_every = 2 needs the manager"):
+    with pytest.raises(PlanError, match=r"\[sweep\].halving_every = 2 needs a manager"):
         run_worker(run.root, resume=False)
 
 

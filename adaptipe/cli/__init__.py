@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         inject,
         japsp,
         link,
+        manage,
         monitor,
         plan,
         prepare,
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         report,
         stop,
         repartition,
+        manage,
         trace,
         prepare,
     ):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from adaptipe.errors import PlanError
 
@@ -51,36 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> TrainSummary:
     """Train with a progress bar on stderr (none with ``--json`` or ``--no-progress``)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
+    from adaptipe.cli.progress import training_progress
     from adaptipe.runtime import train
 
-    console = Console(stderr=True)
-    columns = (
-        TextColumn("[bold]train[/]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[rate]} samples/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, disable=args.json or args.no_progress) as bar:
-        task = bar.add_task("train", total=None, loss="-", rate="-")
-
-        def on_iteration(rec: dict[str, Any], total: int) -> None:
-            loss = "-" if rec["loss"] is None else f"{rec['loss']:.4f}"
-            rate = "-" if rec["samples_per_s"] is None else f"{rec['samples_per_s']:.0f}"
-            bar.update(task, total=total, completed=rec["iteration"] + 1, loss=loss, rate=rate)
-
+    with training_progress(disable=args.json or args.no_progress) as on_iteration:
         return train(
             args.config if args.config is not None else Path(args.resume),
             run_dir=args.resume if args.resume is not None else args.run_dir,

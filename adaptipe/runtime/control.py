@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
+from adaptipe.runtime.managerinfo import ManagerInfo, clear_manager, read_manager, write_manager
 from adaptipe.runtime.planversion import (
     ActiveSet,
     PlanVersion,
@@ -98,28 +99,25 @@ def unadopted_stops(run: RunDir, config: RunConfig | None = None) -> dict[int, d
     return {j: info for j, info in after.items() if j not in before}
 
 
-def mark_manager(run: RunDir, *, running: bool) -> None:
-    """Say (or unsay) that this process manages ``run``: stop requests are answered."""
-    path = _control(run) / "manager.json"
+def mark_manager(run: RunDir, *, running: bool, info: ManagerInfo | None = None) -> None:
+    """Say (or unsay) that this process manages ``run``: stop requests are answered.
+    ``info``: what to record (default: this process, no telemetry address)."""
     if running:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"pid": os.getpid(), "host": socket.gethostname()})
+        write_manager(run, info if info is not None else ManagerInfo.here())
     else:
-        path.unlink(missing_ok=True)
+        clear_manager(run)
 
 
 def manager_running(run: RunDir) -> bool | None:
     """Whether a manager answers ``run``'s stop requests now: False when none is marked or
     the marked one (on this host) has exited; None when it runs on another host."""
-    try:
-        data = read_json(_control(run) / "manager.json")
-        pid, host = int(data["pid"]), str(data["host"])
-    except (OSError, PlanError, KeyError, TypeError, ValueError):
+    info = read_manager(run)
+    if info is None:
         return False
-    if host != socket.gethostname():
+    if info.host != socket.gethostname():
         return None
     try:
-        os.kill(pid, 0)
+        os.kill(info.pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's

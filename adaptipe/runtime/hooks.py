@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from adaptipe.monitor.schema import LinkSample
 from adaptipe.runtime.config import RunConfig
@@ -31,7 +31,7 @@ __all__ = [
     "InjectedFault",
     "Window",
     "WorkerHook",
-    "telemetry_address",
+    "telemetry_target",
     "worker_hooks",
 ]
 
@@ -183,12 +183,13 @@ class _Telemetry(_Hook):
     """
 
     def __init__(
-        self, address: str, run: RunDir, stage: Stage, interval_s: float, transport: Link
+        self, target: Telemetry, run: RunDir, stage: Stage, interval_s: float, transport: Link
     ) -> None:
         from adaptipe.monitor.publisher import Publisher
 
         self.run, self.stage, self.transport = run, stage, transport
-        self.publisher = Publisher(address, stage=stage.rank)
+        address, curve = target
+        self.publisher = Publisher(address, stage=stage.rank, curve=curve)
         interval = float(os.environ.get(TELEMETRY_INTERVAL_ENV, interval_s))
         device = stage.device
         self.publisher.start_sampler(
@@ -219,14 +220,31 @@ class _Telemetry(_Hook):
         self.publisher.close(linger_s=0.5)
 
 
-def telemetry_address(config: RunConfig) -> str | None:
-    """The collector's address when this worker should publish telemetry, else None.
+Telemetry = tuple[str, Any]
+"""Where a worker publishes telemetry: the collector's address and the CURVE keys
+(`adaptipe.monitor.publisher.CurveKeys`, None on loopback)."""
 
-    A scenario keeps the manager's collector on for its events even with
-    ``[train] telemetry = false``; the stages then still publish nothing.
+
+def telemetry_target(run: RunDir, config: RunConfig) -> Telemetry | None:
+    """Where this worker should publish telemetry, else None.
+
+    The manager of ``adaptipe train`` puts its collector's address in the workers'
+    environment; workers started by torchrun find ``adaptipe manage``'s address and keys
+    in the run directory (`adaptipe.runtime.managerinfo`). A scenario keeps the manager's
+    collector on for its events even with ``[train] telemetry = false``; the stages then
+    still publish nothing.
     """
+    if not config.train.telemetry:
+        return None
     address = os.environ.get(TELEMETRY_ENV)
-    return address if address and config.train.telemetry else None
+    if address:
+        return address, None
+    from adaptipe.runtime.managerinfo import read_manager
+
+    info = read_manager(run)
+    if info is None or info.telemetry is None:
+        return None
+    return info.telemetry, info.curve()
 
 
 def worker_hooks(run: RunDir, config: RunConfig, stage: Stage, transport: Link) -> list[WorkerHook]:
@@ -242,8 +260,8 @@ def worker_hooks(run: RunDir, config: RunConfig, stage: Stage, transport: Link) 
     control_dir = os.environ.get(CONTROL_DIR_ENV)
     if control_dir:
         hooks.append(_Interference(control_dir, stage.rank, transport))
-    address = telemetry_address(config)
-    if address is not None:
+    target = telemetry_target(run, config)
+    if target is not None:
         interval = config.train.telemetry_interval_s
-        hooks.append(_Telemetry(address, run, stage, interval, transport))
+        hooks.append(_Telemetry(target, run, stage, interval, transport))
     return hooks

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
@@ -35,20 +35,19 @@ from adaptipe.runtime.plans import Plans, resolve_plans
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.summary import LATE_STOP, TrainSummary, rank_jobs, summarise
 from adaptipe.runtime.supervisor import (
+    LocalWorkers,
     StageFailed,
     Terminated,
+    Workers,
     failure,
     resume_hint,
     sigterm_raises,
     spawn,
-    stop,
 )
 from adaptipe.schedule.types import Schedule
 from adaptipe.serial import json_line, load_json_file, write_json
 
 if TYPE_CHECKING:
-    import subprocess
-
     from adaptipe.inject.scenario import Scenario
     from adaptipe.monitor.publisher import Publisher
 
@@ -63,6 +62,18 @@ __all__ = [
 ]
 
 ProgressFn = Callable[[dict[str, Any], int], None]
+
+
+class Elsewhere(Protocol):
+    """Workers that another launcher starts (torchrun, on other hosts): how the manager
+    listens for them (`adaptipe.runtime.manage`)."""
+
+    def start(
+        self, run: RunDir, follower: MetricsFollower, *, monitored: bool
+    ) -> tuple[Collector | None, Workers]:
+        """Open the collector (when ``monitored``), mark this process as the run's
+        manager with where the workers find it, and return both."""
+        ...
 
 
 def prepare(
@@ -194,14 +205,14 @@ class _Launch:
     run: RunDir
     cfg: RunConfig
     total: int
-    procs: list[subprocess.Popen[bytes]]
+    workers: Workers
     follower: MetricsFollower
     controller: JobController | None
     collector: Collector | None
     interference: Interference | None
     on_iteration: ProgressFn | None
-    respawn: Callable[[], list[subprocess.Popen[bytes]]]  # the workers again, resuming
     publisher: Publisher | None = None  # the manager's own events into the telemetry stream
+    marked: bool = False  # this process is marked as the run's manager
 
     def announce(self, events: list[dict[str, Any]]) -> None:
         """Put the migrations among ``events`` on the telemetry stream too (so
@@ -228,12 +239,12 @@ class _Launch:
         """Stop the scenario, the workers (by pid), the collector; in that order."""
         if self.interference is not None:
             self.interference.stop()
-        stop(self.procs)
+        self.workers.stop()
         if self.publisher is not None:
             self.publisher.close(linger_s=0.5)
         if self.collector is not None:
             self.collector.close()
-        if self.controller is not None:
+        if self.marked:
             mark_manager(self.run, running=False)
 
 
@@ -249,46 +260,55 @@ def _run(
     poll_s: float,
     scenario: Scenario | None = None,
     inject_seed: int = 0,
+    elsewhere: Elsewhere | None = None,
 ) -> TrainSummary:
+    """Follow the run's workers to the end: started here (`spawn`), or, with
+    ``elsewhere``, by another launcher (torchrun) that `adaptipe.runtime.manage` waits for."""
     total = cfg.iterations_total(len(spec.dataset(split=cfg.data.split)))
     run.clear_stage_files()
     follower = MetricsFollower(
         run, schedule.num_stages, {str(job.index): job.batch_size for job in cfg.jobs}
     )
     controller = _controller(run, cfg, total)
-    if controller is not None:
-        mark_manager(run, running=True)  # `adaptipe stop` can tell its request is heard
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
-    collector = Collector(jsonl=run.telemetry).start() if monitored else None
-    control_dir = run.root / "inject" if scenario is not None else None
-    start_workers = functools.partial(
-        spawn,
-        run,
-        schedule.num_stages,
-        telemetry=collector.address if collector is not None else None,
-        telemetry_interval_s=cfg.train.telemetry_interval_s,
-        control_dir=control_dir,
-    )
-    procs = start_workers(resume=resume)
     interference = None
-    if scenario is not None:
-        assert collector is not None
-        interference = Interference(
-            scenario, collector.address, run.root / "inject", procs, inject_seed
+    if elsewhere is not None:
+        collector, workers = elsewhere.start(run, follower, monitored=monitored)
+        marked = True  # with where its telemetry goes: the workers look it up
+    else:
+        marked = controller is not None
+        if marked:
+            mark_manager(run, running=True)  # `adaptipe stop` can tell its request is heard
+        collector = Collector(jsonl=run.telemetry).start() if monitored else None
+        control_dir = run.root / "inject" if scenario is not None else None
+        start_workers = functools.partial(
+            spawn,
+            run,
+            schedule.num_stages,
+            telemetry=collector.address if collector is not None else None,
+            telemetry_interval_s=cfg.train.telemetry_interval_s,
+            control_dir=control_dir,
         )
+        procs = start_workers(resume=resume)
+        workers = LocalWorkers(procs, functools.partial(start_workers, resume=True))
+        if scenario is not None:
+            assert collector is not None
+            interference = Interference(
+                scenario, collector.address, run.root / "inject", procs, inject_seed
+            )
     launch = _Launch(
         run=run,
         cfg=cfg,
         total=total,
-        procs=procs,
+        workers=workers,
         follower=follower,
         controller=controller,
         collector=collector,
         interference=interference,
         on_iteration=on_iteration,
-        respawn=functools.partial(start_workers, resume=True),
+        marked=marked,
     )
     for log in (run.metrics, run.root / "control.jsonl"):
         run.drop_torn_line(log)  # appended to below
@@ -314,10 +334,14 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
     """Log merged metrics and control events until every worker has exited cleanly;
     raise `StageFailed` as soon as one has not."""
     follower, controller, interference = launch.follower, launch.controller, launch.interference
-    on_iteration, procs = launch.on_iteration, launch.procs
+    on_iteration, workers = launch.on_iteration, launch.workers
     while True:
         new = follower.poll()
-        if interference is not None and not interference.started and follower.ready >= len(procs):
+        if (
+            interference is not None
+            and not interference.started
+            and follower.ready >= follower.stages
+        ):
             interference.start()
         for rec in new:
             metrics.write(json_line(rec))
@@ -331,9 +355,9 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
             control_log.write(json_line(event))
             control_log.flush()
         launch.announce(events)
-        codes = [p.poll() for p in procs]
+        codes = workers.codes()
         if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
-            procs[:] = launch.respawn()  # in place: the scenario kills these ones now
+            workers.respawn()
             continue
         failed = next((s for s, c in enumerate(codes) if c not in (None, 0, EXIT_RESTART)), None)
         if failed is None and EXIT_RESTART in codes and 0 in codes:

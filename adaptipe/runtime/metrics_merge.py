@@ -9,6 +9,7 @@ overlap; the first iteration, with no predecessor, takes its slowest stage's own
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from adaptipe.runtime.rundir import RunDir
@@ -30,6 +31,8 @@ class MetricsFollower:
         self.pending: dict[int, dict[int, dict[str, Any]]] = {}
         self.merged: list[dict[str, Any]] = []
         self.ready = 0  # workers that said they are ready
+        self.done: set[int] = set()  # stages that said their last iteration is done
+        self.heard = 0.0  # time.monotonic() when a stage last reported anything
         self.last_end: float | None = None
         self._migrations: dict[int, dict[int, dict[str, Any]]] = {}  # iteration -> stage -> event
 
@@ -79,10 +82,14 @@ class MetricsFollower:
             chunk = fh.read()
         complete = chunk[: chunk.rfind("\n") + 1]  # a line still being written waits
         self.offsets[s] += len(complete)
+        if complete:
+            self.heard = time.monotonic()
         for line in complete.splitlines():
             rec = json.loads(line)
             if rec.get("event") == "ready":
                 self.ready += 1
+            elif rec.get("event") == "done":
+                self.done.add(s)
             elif rec.get("event") == "migration":
                 self._migrations.setdefault(rec["iteration"], {})[s] = rec
             elif "iteration" in rec and "event" not in rec:

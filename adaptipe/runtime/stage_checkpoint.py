@@ -13,12 +13,13 @@ from typing import Any
 import torch.distributed as dist
 
 import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.models import ModelSpec
 from adaptipe.runtime.config import RunConfig
-from adaptipe.runtime.planversion import plan_history
+from adaptipe.runtime.planversion import plan_history, restore_history
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stagestate import Stage
 
-__all__ = ["save_checkpoint"]
+__all__ = ["load_latest", "save_checkpoint"]
 
 
 def save_checkpoint(
@@ -55,3 +56,21 @@ def save_checkpoint(
         if config.train.keep_checkpoints > 0:
             ckpt.prune(run.checkpoints, keep=config.train.keep_checkpoints)
     dist.barrier()
+
+
+def load_latest(run: RunDir, spec: ModelSpec, stage: Stage, *, restore: bool) -> int:
+    """Load the latest checkpoint into ``stage``; return its iteration (0: none).
+    ``restore``: put the checkpoint's plan history back into the run's control folder
+    where it is missing (one worker does)."""
+    found = ckpt.latest(run.checkpoints)
+    if found is None:
+        return 0
+    tensors, meta = ckpt.load_compatible(
+        found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
+    )
+    stage.load(tensors)
+    stage.resume_steps(int(meta.get("meta", {}).get("steps", 0)))
+    history = meta.get("meta", {}).get("plans", [])  # absent in older checkpoints
+    if restore and history:
+        restore_history(run, history, source=str(found / ckpt.COMMITTED))
+    return int(meta["iteration"])

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import adaptipe
 import adaptipe.runtime.checkpoint as ckpt
@@ -26,8 +27,10 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
 
 __all__ = [
+    "LocalWorkers",
     "StageFailed",
     "Terminated",
+    "Workers",
     "failure",
     "resume_hint",
     "sigterm_raises",
@@ -110,6 +113,43 @@ def spawn(
                 )
             )
     return procs
+
+
+class Workers(Protocol):
+    """A launch's stage workers, as the manager follows them."""
+
+    def codes(self) -> list[int | None]:
+        """Each stage's exit status (None: still running; `EXIT_RESTART`: restarting)."""
+        ...
+
+    def respawn(self) -> None:
+        """Start every stage again, resuming (``[adapt] method = "restart"``)."""
+        ...
+
+    def stop(self) -> None:
+        """End the workers still running (the run is over or failed)."""
+        ...
+
+
+class LocalWorkers:
+    """Workers this manager started (`spawn`); ``restart`` starts them again, resuming.
+    ``procs`` is changed in place, so whoever holds it (a scenario) sees the new ones."""
+
+    def __init__(
+        self,
+        procs: list[subprocess.Popen[bytes]],
+        restart: Callable[[], list[subprocess.Popen[bytes]]],
+    ) -> None:
+        self.procs, self._restart = procs, restart
+
+    def codes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def respawn(self) -> None:
+        self.procs[:] = self._restart()
+
+    def stop(self) -> None:
+        stop(self.procs)
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -55,16 +55,17 @@ from adaptipe.runtime.hooks import (
     TELEMETRY_INTERVAL_ENV,
     InjectedFault,
     Window,
-    telemetry_address,
+    telemetry_target,
     worker_hooks,
 )
 from adaptipe.runtime.iteration_stats import IterationStats
+from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.migration import layers_of, migrate
-from adaptipe.runtime.planversion import PlanVersion, restore_history
+from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.records import done_record, iteration_record, log
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import MicroBatches
-from adaptipe.runtime.stage_checkpoint import save_checkpoint
+from adaptipe.runtime.stage_checkpoint import load_latest, save_checkpoint
 from adaptipe.runtime.stagestate import Stage, build_stage
 from adaptipe.runtime.transport import P2PTransport, TensorSpec, wire_device
 from adaptipe.runtime.windowcut import WindowCut
@@ -92,12 +93,14 @@ def run_worker(run_dir: Path, *, resume: bool) -> None:
     proc = Process.from_env()
     run = RunDir(run_dir)
     config = run.read_config()
-    if config.sweep is not None and config.sweep.halving_every and MANAGER_ENV not in os.environ:
-        # Each rung waits for the manager's decision, which only `adaptipe train` makes.
+    managed = MANAGER_ENV in os.environ or read_manager(run) is not None
+    if config.sweep is not None and config.sweep.halving_every and not managed:
+        # Each rung waits for the manager's decision, which only a manager makes.
         raise PlanError(
             f"{run.config_json}: [sweep].halving_every = {config.sweep.halving_every} needs "
-            "the manager of `adaptipe train`, which decides each halving; these workers "
-            "were started without it (torchrun?). Set halving_every = 0 to train here."
+            "a manager, which decides each halving; these workers were started without "
+            "one (torchrun?): start `adaptipe manage RUN_DIR` first, or set "
+            "halving_every = 0 to train here."
         )
     schedule = run.read_schedule()
     if schedule.num_stages != proc.world:
@@ -146,7 +149,7 @@ class _Worker:
         spec = get_model(config.model.name, **config.model.config)
         partition, schedule = run.read_partition(), run.read_schedule()
         stage = build_stage(spec, partition, schedule, proc.rank, config, device)
-        start = _resume(run, spec, stage, restore=proc.rank == 0) if resume else 0
+        start = load_latest(run, spec, stage, restore=proc.rank == 0) if resume else 0
         if resume:
             dist.barrier()  # rank 0 restored the checkpoint's plan history: all read it
         stage_holds = (schedule.place(0)[0], schedule.place(schedule.num_virtual_stages - 1)[0])
@@ -181,7 +184,7 @@ class _Worker:
             num_boundaries=schedule.num_virtual_stages,
             num_microbatches=m * longest,
             num_jobs=schedule.num_jobs,
-            measure_links=_measures_links(config),
+            measure_links=_measures_links(run, config),
         )
         plan = PlanVersion(version=0, jobs=tuple(range(len(jobs))), schedule=schedule)
         windows = Windows(config, instance, stage, plan)
@@ -436,24 +439,6 @@ class _Worker:
         )
 
 
-def _resume(run: RunDir, spec: ModelSpec, stage: Stage, *, restore: bool) -> int:
-    """Load the latest checkpoint into ``stage``; return its iteration (0: none).
-    ``restore``: put the checkpoint's plan history back into the run's control folder
-    where it is missing (one worker does)."""
-    found = ckpt.latest(run.checkpoints)
-    if found is None:
-        return 0
-    tensors, meta = ckpt.load_compatible(
-        found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
-    )
-    stage.load(tensors)
-    stage.resume_steps(int(meta.get("meta", {}).get("steps", 0)))
-    history = meta.get("meta", {}).get("plans", [])  # absent in older checkpoints
-    if restore and history:
-        restore_history(run, history, source=str(found / ckpt.COMMITTED))
-    return int(meta["iteration"])
-
-
 def _close_memory(stage: Stage) -> None:
     if stage.memory is not None:
         stage.memory.close()
@@ -463,8 +448,8 @@ def _iteration_of(found: Path) -> int:
     return int(read_json(found / ckpt.COMMITTED)["iteration"])
 
 
-def _measures_links(config: RunConfig) -> bool:
-    return telemetry_address(config) is not None and config.train.link_telemetry
+def _measures_links(run: RunDir, config: RunConfig) -> bool:
+    return telemetry_target(run, config) is not None and config.train.link_telemetry
 
 
 def main(argv: Sequence[str] | None = None) -> int:
