@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from adaptipe import netbed
+from adaptipe.cli import main
 from adaptipe.errors import NetbedError, PlanError
 from adaptipe.netbed import SUBNET, Bed, Host, LinkShape
 from adaptipe.netbed.bed import plan_bed
@@ -369,6 +370,35 @@ def test_a_delay_without_netem_is_refused_with_the_reason(bench: Bench) -> None:
     with pytest.raises(NetbedError, match="no netem"):
         netbed.up(prefix=_prefix("nn"), hosts=1, shape=LinkShape(loss_pct=1))
     assert netbed.load(bed.prefix, state_dir=bench.state_dir) == bed  # unchanged
+
+
+@needs_bed
+def test_the_hosts_command_brings_up_shows_reshapes_and_takes_down_a_bed(
+    bench: Bench, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prefix = _prefix("cl")
+    bench.prefixes.append(prefix)
+    where = ["--prefix", prefix, "--state-dir", str(bench.state_dir)]
+    assert main(["hosts", "up", "--hosts", "2", "--rate", "20mbit", *where]) == 0
+    assert f"ip netns exec ap-{prefix}-h0 taskset -c" in capsys.readouterr().out
+    assert main(["hosts", "shape", "--host", "1", "--rate", "5mbit", *where]) == 0
+    capsys.readouterr()
+    assert main(["hosts", "show", *where]) == 0
+    shown = Bed.from_json(json.loads(capsys.readouterr().out))
+    assert [h.shape.rate_mbit for h in shown.hosts] == [20, 5]
+    port = shown.hosts[1].port
+    live = ["tc", "-n", shown.switch, "qdisc", "show", "dev", port, "root"]
+    assert "tbf 1: root" in subprocess.run(live, capture_output=True, text=True, timeout=10).stdout
+    assert "rate 5Mbit" in subprocess.run(live, capture_output=True, text=True, timeout=10).stdout
+    assert main(["hosts", "shape", "--host", "2", "--rate", "5mbit", *where]) == 2
+    assert "hosts 0 to 1 (got host 2)" in capsys.readouterr().err
+    assert main(["hosts", "shape", "--delay", "20", *where]) == 2
+    assert "'20' is not a time (examples: 20ms" in capsys.readouterr().err
+    assert main(["hosts", "down", *where]) == 0
+    assert f"ap-{prefix}-sw" in capsys.readouterr().out
+    assert _leftovers(prefix) == []
+    assert main(["hosts", "show", *where]) == 2
+    assert f"no bed with prefix {prefix}" in capsys.readouterr().err
 
 
 @needs_bed

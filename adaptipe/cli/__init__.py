@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``adaptipe`` parser; each sub-command's ``func`` is its module's ``run``."""
     from adaptipe.cli import (
         collect,
+        hosts,
         inject,
         japsp,
         link,
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         simulate,
         train,
         inject,
+        hosts,
         collect,
         japsp,
         monitor,
