@@ -63,8 +63,8 @@ def up(
     cpus_per_host: int = 1,
     state_dir: str | os.PathLike[str] | None = None,
 ) -> Bed:
-    """Build a bed of ``hosts`` hosts, every link shaped to ``shape`` (`shape` the
-    function changes one), and return its description.
+    """Build a bed of ``hosts`` hosts with every link shaped to ``shape``, and return its
+    description; the function `shape` reshapes one host's link later.
 
     Host ``i`` is pinned to core ``i % ncpu`` of the cores this process may use (with
     ``cpus_per_host`` > 1, to that many cores in turn). A failure part-way removes what
@@ -74,10 +74,7 @@ def up(
         raise PlanError(f"a bed has 1 to {MAX_HOSTS} hosts (got {hosts!r})")
     cpus = sorted(os.sched_getaffinity(0))
     bed = plan_bed(prefix=prefix, shapes=[shape] * hosts, cpus=cpus, cpus_per_host=cpus_per_host)
-    _require(netem=False)
-    for host in bed.hosts:
-        if host.shape.needs_netem:
-            _require(netem=True, why=f"host {host.index}: {host.shape.describe()}: ")
+    _require(netem=shape.needs_netem, why=f"{shape.describe()}: " if shape.needs_netem else "")
     down(prefix=prefix, state_dir=state_dir)
     try:
         _build(bed)

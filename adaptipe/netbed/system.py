@@ -89,9 +89,10 @@ def available(*, netem: bool = False) -> str | None:
 def _probe() -> tuple[str | None, str | None]:
     """(why no bed, why no netem); each None when it works. Builds what a bed builds:
     a namespace, a veth, a bridge, a shaped link's tree, a command pinned to a core."""
-    missing = [f"{tool} ({package})" for tool, package in _TOOLS.items() if not shutil.which(tool)]
+    missing = [tool for tool in _TOOLS if not shutil.which(tool)]
     if missing:
-        return f"no {', '.join(missing)} command on PATH", "no bed"
+        packages = ", ".join(sorted({_TOOLS[tool] for tool in missing}))
+        return f"cannot find {', '.join(missing)} on PATH (install {packages})", "no bed"
     if os.geteuid() != 0:
         return f"network namespaces need root (running as uid {os.geteuid()})", "no bed"
     name = f"ap-probe-{os.getpid()}"
