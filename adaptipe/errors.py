@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["AdaptipeError", "PlanError", "ScheduleError"]
+__all__ = ["AdaptipeError", "NetbedError", "PlanError", "ScheduleError"]
 
 
 class AdaptipeError(Exception):
@@ -18,3 +18,11 @@ class PlanError(AdaptipeError, ValueError):
 
 class ScheduleError(AdaptipeError, ValueError):
     """A schedule is invalid: the message names the stage, the instruction and why."""
+
+
+class NetbedError(AdaptipeError, RuntimeError):
+    """A test bed of namespace hosts cannot be built, changed or removed here.
+
+    The message says why (not root, no ``ip`` command, a qdisc this kernel lacks, or the
+    ``ip``/``tc`` command that failed with its error) and what would work instead.
+    """

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; parts on one line may import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "serial", "units"),
+    ("netbed",),
     ("models",),
     ("profile",),
     ("plan",),

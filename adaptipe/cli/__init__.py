@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``adaptipe`` parser; each sub-command's ``func`` is its module's ``run``."""
     from adaptipe.cli import (
         collect,
+        hosts,
         inject,
         japsp,
         link,
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         simulate,
         train,
         inject,
+        hosts,
         collect,
         japsp,
         monitor,
