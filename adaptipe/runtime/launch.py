@@ -30,6 +30,7 @@ from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
 from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
+from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.metrics_merge import MetricsFollower
 from adaptipe.runtime.plans import Plans, resolve_plans
 from adaptipe.runtime.rundir import RunDir
@@ -223,7 +224,9 @@ class _Launch:
             if self.publisher is None:
                 from adaptipe.monitor.publisher import Publisher
 
-                self.publisher = Publisher(self.collector.address, stage=0)
+                info = read_manager(self.run)  # off loopback: the workers' CURVE keys
+                curve = info.curve() if info is not None else None
+                self.publisher = Publisher(self.collector.address, stage=0, curve=curve)
             detail = {
                 "iteration": e["iteration"],
                 "ok": e["ok"],

@@ -1,0 +1,136 @@
+"""Several hosts for real: two namespace hosts on shaped links each start one stage with
+torchrun (c10d rendezvous over the bed's network), `adaptipe manage` runs on a third,
+telemetry reaches it over CURVE, a live `adaptipe repartition` moves layers across
+hosts, and the run ends with the parameters `adaptipe train` gets on one host.
+
+Needs root, ``ip`` and ``tc`` (skips with the reason otherwise). The bed and every
+process started on it go at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe import netbed
+from adaptipe.netbed import Bed, Host, LinkShape
+from adaptipe.netbed.system import namespaces
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import prepare, train
+from adaptipe.runtime.managerinfo import read_manager
+from adaptipe.runtime.planversion import adoptions
+from adaptipe.runtime.repartition import repartition
+from adaptipe.runtime.rundir import RunDir
+
+REASON = netbed.available()
+ITERATIONS = 60
+PORT = 29517  # rendezvous port on host 1 (its namespace has nothing else)
+
+
+@pytest.fixture
+def bed(tmp_path: Path) -> Iterator[Bed]:
+    if REASON is not None:
+        pytest.skip(REASON)
+    prefix = "mh" + secrets.token_hex(2)
+    state = tmp_path / "netbed"
+    made = netbed.up(prefix=prefix, hosts=3, shape=LinkShape(rate_mbit=200), state_dir=state)
+    try:
+        yield made
+    finally:
+        netbed.down(prefix=prefix, state_dir=state)  # also stops what still runs on it
+        assert not [n for n in namespaces() if prefix in n]
+
+
+def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
+    return make_config(
+        optimizer={"name": "adam", "lr": 0.01, "momentum": 0.0},
+        train={
+            "iterations": ITERATIONS,
+            "checkpoint_every": 30,
+            "telemetry": True,
+            "telemetry_interval_s": 0.1,
+            "threads_per_stage": 1,
+            "run_dir": str(run_dir),
+        },
+    )
+
+
+def _torchrun(host: Host, node: int, head: Host, run_dir: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head.address}:{PORT}",
+        "--rdzv-conf", f"is_host={int(host is head)}",  # the store lives on the head host
+        "--local-addr", host.address, "--max-restarts", "0",
+        "-m", "adaptipe.runtime.worker", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
+    log = (run_dir / f"torchrun-{node}.log").open("wb")
+    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    return [p.poll() for p in procs]
+
+
+def test_two_namespace_hosts_with_torchrun_and_a_manager_train_what_one_host_trains(
+    make_config: Callable[..., RunConfig], tmp_path: Path, bed: Bed
+) -> None:
+    train(_config(make_config, tmp_path / "one-host"))
+    run, _ = prepare(_config(make_config, tmp_path / "hosts"))
+    manager_host, head, other = bed.hosts
+    manager = manager_host.popen(
+        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root),
+         "--bind", manager_host.address, "--no-progress", "--json", "--wait-s", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = [manager]
+    try:
+        deadline = time.monotonic() + 60
+        while read_manager(run) is None and time.monotonic() < deadline:
+            assert manager.poll() is None, manager.communicate()[1].decode()[-2000:]
+            time.sleep(0.05)
+        info = read_manager(run)
+        assert info is not None and info.telemetry is not None
+        assert info.telemetry.startswith(f"tcp://{manager_host.address}:")
+        assert info.curve() is not None  # off loopback: CURVE
+        procs += [_torchrun(head, 0, head, run.root), _torchrun(other, 1, head, run.root)]
+        asked: list[int] = []
+        deadline = time.monotonic() + 120
+        while not asked and time.monotonic() < deadline:  # a live request across hosts
+            if run.metrics.exists() and len(run.metrics.read_text().splitlines()) >= 5:
+                asked.append(repartition(run.root, [0, 2, 6]).version)
+            time.sleep(0.05)
+        codes = _wait(procs, timeout_s=180)
+        out, err = manager.communicate(timeout=10)
+        logs = "\n".join((run.root / f"torchrun-{n}.log").read_text()[-1500:] for n in (0, 1))
+        assert codes == [0, 0, 0], f"{codes}\n{err.decode()[-2000:]}\n{logs}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # by pid; the bed's teardown ends the rest
+                proc.wait(timeout=10)
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    assert summary["iterations"] == ITERATIONS
+    adopted = adoptions(RunDir(run.root))
+    assert list(adopted) == asked == [1] and adopted[1] < ITERATIONS
+    telemetry = [json.loads(line) for line in run.telemetry.read_text().splitlines()]
+    assert {r["stage"] for r in telemetry if r.get("type") == "stage_stats"} == {0, 1}
+    got = ckpt.load(ckpt.latest(run.checkpoints))[0]  # type: ignore[arg-type]
+    want = ckpt.load(ckpt.latest(tmp_path / "one-host" / "checkpoints"))[0]  # type: ignore[arg-type]
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
