@@ -134,3 +134,31 @@ def test_two_namespace_hosts_with_torchrun_and_a_manager_train_what_one_host_tra
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.parametrize("rate", [20, 80])
+def test_the_link_probe_between_two_hosts_measures_at_most_the_shaped_rate(
+    tmp_path: Path, rate: int
+) -> None:
+    """``adaptipe link --bed``: gloo round trips between two hosts over links shaped to
+    ``rate`` Mbit/s measure a bandwidth at or below it (and not far below)."""
+    from adaptipe.cli import main
+
+    if REASON is not None:
+        pytest.skip(REASON)
+    prefix = "lk" + secrets.token_hex(2)
+    state = tmp_path / "netbed"
+    netbed.up(prefix=prefix, hosts=2, shape=LinkShape(rate_mbit=rate), state_dir=state)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "adaptipe.cli", "link", "--bed", prefix,
+             "--state-dir", str(state), "--repeats", "5", "--json"],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        mbit = result["bandwidth_Bps"] * 8 / 1e6
+        assert 0.6 * rate <= mbit <= rate * 1.02, (mbit, rate)
+        assert result["latency_s"] < 0.01
+        assert main(["link", "--bed", prefix, "--state-dir", str(state), "--hosts", "1,1"]) == 2
+    finally:
+        netbed.down(prefix=prefix, state_dir=state)
