@@ -22,10 +22,17 @@ from adaptipe.runtime.launch import train
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.transport import ACTIVATION, TensorSpec, TransferKey
+from adaptipe.runtime.transport import ACTIVATION, TransferKey
 from adaptipe.runtime.windowcut import WindowRounds, rounds_of
 from adaptipe.schedule.build import build_schedule
-from adaptipe.schedule.types import Backward, Forward, OptimizerStep, Schedule
+from adaptipe.schedule.types import (
+    Backward,
+    Forward,
+    OptimizerStep,
+    RecvActivation,
+    RecvGradient,
+    Schedule,
+)
 from adaptipe.schedule.validate import validate
 
 
@@ -103,28 +110,33 @@ class _Transport:
         self.kept = [k for k in self.plan if keep(k)]
 
 
-def test_a_round_is_asked_for_once_and_its_receives_wait_for_the_answer() -> None:
-    window = _array_window(2, 3, 4, 0, 0)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_round_is_asked_for_once_and_no_later_receive_is_posted_before_it(seed: int) -> None:
+    window = _array_window(4, 3, 5, 0, seed)
     program = window.stages[1]  # a middle stage: receives both ways
     at = rounds_of(program, 1)
-    spec = TensorSpec((1,), torch.float32)
-    receives = [
-        (TransferKey(i.job, i.microbatch, 1, ACTIVATION), 0, spec)
-        for i in program
-        if type(i).__name__.startswith("Recv")
+    positions = [
+        pos for pos, i in enumerate(program) if isinstance(i, RecvActivation | RecvGradient)
     ]
     transport = _Transport()
-    transport.plan = [k for k, _, _ in receives]
-    gate = _Gate(cut=2)
-    rounds = WindowRounds(at, receives, gate, transport)  # type: ignore[arg-type]
+    transport.plan = [TransferKey(program[p].job, program[p].microbatch, 1, ACTIVATION)
+                      for p in positions]  # fmt: skip
+    gate = _Gate(cut=3)
+    rounds = WindowRounds(at, positions, gate, transport)  # type: ignore[arg-type]
     rounds.start()
-    ran = [pos for pos in range(len(program)) if rounds.runs(pos)]
-    assert gate.asked == [1, 2] and rounds.cut == 2
-    assert all(at[pos] < 2 for pos in ran)
-    assert [pos for pos in range(len(program)) if at[pos] < 2] == ran  # nothing else skipped
-    per_round = [sum(1 for k, _, _ in receives if k.microbatch <= r) for r in range(4)]
-    assert transport.limits == [per_round[0], per_round[1]]  # round 1's only once it runs
-    assert transport.kept is not None and {k.microbatch for k in transport.kept} == {0, 1}
+    ran = []
+    for pos in range(len(program)):
+        if rounds.runs(pos):
+            ran.append(pos)
+        # whatever may be posted now is of a round that is known to run
+        limit = transport.limits[-1]
+        assert limit is not None
+        known = max([0, *(r for r in gate.asked if r < gate.cut)])  # rounds known to run
+        assert all(at[p] <= known for p in positions[:limit])
+    assert gate.asked == [1, 2, 3] and rounds.cut == 3
+    assert ran == [pos for pos in range(len(program)) if at[pos] < 3]  # nothing else skipped
+    assert transport.kept is not None and {k.microbatch for k in transport.kept} == {0, 1, 2}
+    assert len(transport.limits) == 3  # round 0, then each round known to run: 1 and 2
 
 
 # ---------------------------------------------------------------------- end to end

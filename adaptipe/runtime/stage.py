@@ -337,7 +337,12 @@ class StageExecutor:
             return None
         if self._rounds is None or self._rounds[0] != gate.per_round:
             self._rounds = (gate.per_round, rounds_of(self.program, gate.per_round))
-        rounds = WindowRounds(self._rounds[1], self._receives, gate, self.transport)
+        receives = [
+            pos
+            for pos, ins in enumerate(self.program)
+            if isinstance(ins, RecvActivation | RecvGradient)
+        ]
+        rounds = WindowRounds(self._rounds[1], receives, gate, self.transport)
         rounds.start()
         return rounds
 

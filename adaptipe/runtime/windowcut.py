@@ -12,8 +12,9 @@ Why every stage can wait for that word without slowing down, and why the cut is 
 - a round's first instruction on any stage depends on rank 0's forward of that round
   (a job's blocks flow from the first stage), and rank 0 decides right before its own
   first instruction of the round, so the word is on its way before any stage could
-  start the round anyway; receives of round r are not posted before it arrives
-  (`Transport.hold_posts`), so a cut leaves no receive posted that nobody sends;
+  start the round anyway; no receive placed after a round's first instruction is posted
+  before the word for that round arrives (`Transport.hold_posts`), so a cut leaves no
+  receive posted that nobody sends;
 - rounds < r never depend on rounds >= r (a job's round r + 1 follows its round r
   on every stage), so the instructions of rounds < r, kept in their order, are a
   complete, deadlock-free schedule of r rounds: every job trains exactly as it would
@@ -22,12 +23,13 @@ Why every stage can wait for that word without slowing down, and why the cut is 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from adaptipe.runtime.transport import TensorSpec, TransferKey, Transport
+from adaptipe.runtime.transport import Transport
 from adaptipe.schedule.types import Backward, Instruction, OptimizerStep
 
 __all__ = ["RoundGate", "WindowCut", "WindowRounds", "rounds_of"]
@@ -72,7 +74,7 @@ class WindowRounds:
     def __init__(
         self,
         rounds: Sequence[int],
-        receives: Sequence[tuple[TransferKey, int, TensorSpec]],
+        receive_positions: Sequence[int],
         gate: RoundGate,
         transport: Transport,
     ) -> None:
@@ -82,11 +84,17 @@ class WindowRounds:
         self._first: dict[int, int] = {}  # round -> position of its first instruction
         for pos, r in enumerate(rounds):
             self._first.setdefault(r, pos)
-        per_round = gate.per_round
-        # receives that may be posted once round r runs: those before round r + 1 begins
+        # While round r runs and round r + 1 is undecided, only the receives placed before
+        # round r + 1's first instruction may be posted: a later one may be round r + 1's
+        # (a stage can take a later round's block before an earlier round's).
         self._posts: dict[int, int] = {}
         for r in self._first:
-            self._posts[r] = sum(1 for k, _, _ in receives if k.microbatch // per_round <= r)
+            after = self._first.get(r + 1)
+            self._posts[r] = (
+                len(receive_positions)
+                if after is None
+                else bisect.bisect_left(receive_positions, after)
+            )
         self.cut: int | None = None  # the first round that did not run
 
     def start(self) -> None:
