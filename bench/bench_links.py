@@ -239,7 +239,11 @@ def main() -> None:
         out["rates"].append(
             {
                 "rate_mbit": rate,
-                **{k: statistics.median(r[k] for r in rs) for k in rs[0]},
+                **{
+                    k: statistics.median(r[k] for r in rs)
+                    for k in rs[0]
+                    if isinstance(rs[0][k], float)
+                },
                 "errors": [r["error"] for r in rs],
             }
         )
