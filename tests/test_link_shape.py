@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import statistics
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +32,17 @@ from adaptipe.errors import NetbedError, PlanError
 from adaptipe.inject import ScenarioRunner
 from adaptipe.inject.runner import Event
 from adaptipe.inject.scenario import LinkReshape, load_scenario, parse_scenario
-from adaptipe.netbed import Bed, LinkShape
+from adaptipe.monitor.report import make_report
+from adaptipe.monitor.runlog import load_run
+from adaptipe.monitor.schema import StageStats
+from adaptipe.monitor.timeline import run_marks
+from adaptipe.netbed import Bed, Host, LinkShape
 from adaptipe.netbed.system import namespaces
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.interference import load_interference
+from adaptipe.runtime.launch import prepare, train
+from adaptipe.runtime.managerinfo import read_manager
+from adaptipe.runtime.rundir import RunDir
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 REASON = netbed.available()
@@ -221,6 +233,32 @@ def test_the_example_ladder_is_autopipes_steps_scaled_down() -> None:
     assert all(isinstance(i.spec, LinkReshape) and i.spec.host == 2 for i in scenario.injections)
 
 
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ({"kind": "kill", "at_s": 1, "stage": 0}, "kills a stage worker's process"),
+        ({"kind": "slowdown", "at_iteration": 1, "stage": 1}, "acts through control files"),
+        (
+            {"kind": "link_throttle", "at_s": 0, "stage": 0, "bandwidth": "1MB/s"},
+            "to slow a link between hosts, use link_shape on the bed",
+        ),
+    ],
+)
+def test_manage_refuses_injectors_that_need_the_workers_it_did_not_start(
+    tmp_path: Path, entry: dict[str, Any], why: str
+) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(_toml(None, None, [{"kind": "cpu_hog", "at_s": 0, "cores": [0]}, entry]))
+    load_interference(path, num_stages=2, num_cores=2, seed=0)  # adaptipe train runs it
+    with pytest.raises(PlanError) as err:
+        load_interference(path, num_stages=2, num_cores=2, seed=0, remote=True)
+    kind = entry["kind"]
+    assert str(err.value).startswith(
+        f"{path}: inject[1] is a {kind}, which `adaptipe manage` cannot run: "
+    )
+    assert why in str(err.value) and "run it with `adaptipe train --inject`" in str(err.value)
+
+
 def test_a_bed_that_is_not_up_is_refused_before_anything_runs(state_dir: Path) -> None:
     entry = {"kind": "link_shape", "at_s": 0, "host": 1, "rate": 5}
     data = {"bed": "nobed9", "state_dir": str(state_dir), "inject": [entry]}
@@ -348,6 +386,33 @@ def test_adaptipe_inject_runs_link_shapes_on_a_bed(
 
 
 @needs_bed
+def test_adaptipe_train_inject_applies_link_shapes_and_logs_them_as_telemetry(
+    make_config: Callable[..., RunConfig], bed: Bed, state_dir: Path, tmp_path: Path
+) -> None:
+    """Workers `adaptipe train` starts talk over loopback, not the bed: the link changes
+    and the events are logged, but the run's own traffic does not cross it."""
+    path = tmp_path / "s.toml"
+    entry = {"kind": "link_shape", "at_iteration": 2, "iterations": 2, "host": 1, "rate": 30}
+    path.write_text(_toml(bed.prefix, state_dir, [entry]))
+    seen: list[tuple[str, str]] = []
+    summary = train(
+        make_config(train={"iterations": 6, "telemetry": True}),
+        inject=path,
+        on_iteration=lambda rec, total: seen.append(_tc_rates(bed, 1)),
+    )
+    assert ("30Mbit", "30Mbit") in seen and _tc_rates(bed, 1) == ("none", "none")
+    records = [
+        json.loads(line) for line in RunDir(summary.run_dir).telemetry.read_text().splitlines()
+    ]
+    events = [r for r in records if r["type"] == "event"]
+    assert [(e["kind"], e["detail"].get("shape"), e["detail"].get("restored")) for e in events] == [
+        ("injection-start", "30 mbit", None),
+        ("injection-end", None, "unshaped"),
+    ]
+    assert events[0]["detail"]["host"] == 1 and events[0]["detail"]["bed"] == bed.prefix
+
+
+@needs_bed
 @pytest.mark.skipif(NETEM is None, reason="this kernel has netem: delays are applied")
 def test_a_delay_is_refused_with_the_reason_where_the_kernel_has_no_netem() -> None:
     entry = {"kind": "link_shape", "at_s": 0, "host": 1, "delay": "5ms"}
@@ -369,3 +434,170 @@ def test_a_delay_shows_in_the_links_qdiscs(bed: Bed, state_dir: Path) -> None:
         argv = ["tc", "-n", h.namespace, "qdisc", "show", "dev", h.interface]
         shown = subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout
         assert "netem" in shown and "delay 5ms" in shown
+
+
+# ------------------------------------------------------------------------- the must-show
+STEPS = (("20mbit", None), ("100mbit", 8), ("40mbit", 16))  # rate, at_iteration (None: at 0 s)
+ITERATIONS = 24
+SEND_BUFFER = 65536  # bytes: the hosts' TCP send buffers (net.ipv4.tcp_wmem's maximum)
+
+
+def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
+    """A narrow MLP on wide micro-batches: each one sends 0.5 MiB across the stage
+    boundary (2048 x 64 float32) and computes for about a millisecond, so the link is what
+    an iteration waits for (2 MiB each way per iteration: 0.9 s at 20 Mbit/s)."""
+    return make_config(
+        model={
+            "name": "mlp",
+            "config": {
+                "in_features": 64,
+                "hidden": 64,
+                "depth": 4,
+                "out_features": 4,
+                "num_samples": 8192,
+            },
+        },
+        data={"batch_size": 8192, "microbatches": 4, "seed": 3},
+        train={
+            "iterations": ITERATIONS,
+            "telemetry": True,
+            "link_telemetry": True,
+            "telemetry_interval_s": 0.1,
+            "threads_per_stage": 1,
+            "timeout_s": 120,
+            "run_dir": str(run_dir),
+        },
+    )
+
+
+def _small_send_buffers(hosts: tuple[Host, ...]) -> None:
+    """Cap the hosts' TCP send buffers (per namespace) at `SEND_BUFFER`.
+
+    A link sample times a send from post to completion, and a gloo send completes once
+    its bytes are in the socket's send buffer, which Linux grows to 4 MiB: a whole
+    iteration's activations fit, so every send completes at once and a 20 Mbit/s link
+    measured hundreds of MB/s. With a 64 KiB buffer a send of 0.5 MiB completes only once
+    the link has carried most of it, which is what the samples are meant to see.
+    """
+    for host in hosts:
+        limit = f"net.ipv4.tcp_wmem=4096 16384 {SEND_BUFFER}"
+        host.run(["sysctl", "-q", "-w", limit], timeout=10, check=True)
+
+
+def _torchrun(host: Host, node: int, head: Host, run_dir: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head.address}:{PORT}",
+        "--rdzv-conf", f"is_host={int(host is head)}",  # the store lives on the head host
+        "--local-addr", host.address, "--max-restarts", "0",
+        "-m", "adaptipe.runtime.worker", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
+    log = (run_dir / f"torchrun-{node}.log").open("wb")
+    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _managed_run(bed: Bed, run: RunDir, scenario: Path) -> dict[str, Any]:
+    """``adaptipe manage --inject`` on host 0, one torchrun stage on each of hosts 1, 2;
+    the manager's summary."""
+    manager_host, head, other = bed.hosts
+    manager = manager_host.popen(
+        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--inject", str(scenario),
+         "--bind", manager_host.address, "--no-progress", "--json", "--wait-s", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    procs: list[subprocess.Popen[bytes]] = [manager]
+    try:
+        deadline = time.monotonic() + 60
+        while read_manager(run) is None and time.monotonic() < deadline:
+            assert manager.poll() is None, manager.communicate()[1].decode()[-2000:]
+            time.sleep(0.05)
+        procs += [_torchrun(head, 0, head, run.root), _torchrun(other, 1, head, run.root)]
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        out, err = manager.communicate(timeout=10)
+        codes = [p.poll() for p in procs]
+        logs = "\n".join((run.root / f"torchrun-{n}.log").read_text()[-1500:] for n in (0, 1))
+        assert codes == [0, 0, 0], f"{codes}\n{err.decode()[-2000:]}\n{logs}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()  # by pid; the bed's teardown ends the rest
+                proc.wait(timeout=10)
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+def _per_step(records: list[dict[str, Any]], src: int, starts: list[float]) -> list[list[float]]:
+    """Per step, the bandwidth (bytes/s) stage ``src``'s sends measured in each iteration
+    run wholly under it: begun after the step was in place (the iteration before ended
+    later) and ended before the next step, leaving out each step's first iteration."""
+    stats = [r for r in records if r["type"] == "stage_stats" and r["stage"] == src]
+    links = [r for r in records if r["type"] == "link_sample" and r["src"] == src]
+    assert len(stats) == len(links) == ITERATIONS  # one of each per iteration, in order
+    bounds = [*starts, float("inf")]
+    out: list[list[float]] = [[] for _ in starts]
+    for it in range(2, ITERATIONS):
+        for k in range(len(starts)):
+            if bounds[k] <= stats[it - 2]["time_s"] and stats[it]["time_s"] <= bounds[k + 1]:
+                out[k].append(links[it]["nbytes"] / links[it]["seconds"])
+    return out
+
+
+@needs_bed
+def test_bandwidth_steps_mid_run_show_in_link_samples_and_on_the_report(
+    make_config: Callable[..., RunConfig], tmp_path: Path, bed: Bed, state_dir: Path
+) -> None:
+    run, _ = prepare(_config(make_config, tmp_path / "run"))
+    _small_send_buffers(bed.hosts[1:])
+    scenario = tmp_path / "steps.toml"
+    entries = [
+        {"kind": "link_shape", **({"at_s": 0} if at is None else {"at_iteration": at}), "rate": r}
+        for r, at in STEPS
+    ]
+    scenario.write_text(_toml(bed.prefix, state_dir, [{**e, "host": 2} for e in entries]))
+    summary = _managed_run(bed, run, scenario)
+    assert summary["iterations"] == ITERATIONS
+    assert _tc_rates(bed, 2) == ("none", "none")  # the link is given back at the end
+
+    records = [json.loads(line) for line in run.telemetry.read_text().splitlines()]
+    events = [r for r in records if r["type"] == "event" and r["kind"].startswith("injection")]
+    shapes = [(e["kind"], e["detail"].get("shape"), e["detail"].get("reason")) for e in events]
+    assert shapes == [
+        ("injection-start", "20 mbit", None),
+        ("injection-start", "100 mbit", None),
+        ("injection-end", None, "replaced"),
+        ("injection-start", "40 mbit", None),
+        ("injection-end", None, "replaced"),
+        ("injection-end", None, "stopped"),
+    ]
+    starts = [e["time_s"] for e in events if e["kind"] == "injection-start"]
+    medians = []
+    for src in (0, 1):  # activations 0 -> 1 and gradients 1 -> 0 both cross host 2's link
+        per_step = _per_step(records, src, starts)
+        assert all(len(s) >= 3 for s in per_step), per_step
+        medians.append([statistics.median(s) / 1e6 for s in per_step])
+    print(f"median MB/s per step {[r for r, _ in STEPS]}: 0 -> 1 {medians[0]}, 1 -> 0 {medians[1]}")
+    for slow, fast, middle in medians:
+        assert slow <= 1.2 * 20e6 / 8 / 1e6  # no faster than 20 Mbit/s can carry
+        assert fast >= 3 * slow  # 20 -> 100 Mbit/s
+        assert 1.4 * slow <= middle <= 0.7 * fast  # 100 -> 40 Mbit/s
+
+    # The report's time line: one span per step, each at the iteration it came in.
+    page = make_report(run.root).read_text()
+    for rate in ("20 mbit", "100 mbit", "40 mbit"):
+        assert f"link_shape host 2: {rate}" in page
+    assert (run.root / "report" / "links.png").exists()
+    log = load_run(run.root)
+    stats = [r for r in log.records if isinstance(r, StageStats)]
+    t0 = min(r.time_s for r in log.records)
+    marks = run_marks(log, stats, t0, max(r.time_s for r in log.records) - t0)
+    spans = [(m.label, m.start_it, m.end_it) for m in marks if m.kind == "injection"]
+    assert [label for label, _, _ in spans] == [
+        f"link_shape host 2: {r[:-4]} mbit" for r, _ in STEPS
+    ]
+    for (_, start, end), (_, at) in zip(spans, STEPS, strict=True):
+        assert start is not None and end is not None and start < end
+        if at is not None:  # the manager starts it once it has seen iteration at - 1 end
+            assert at - 1 <= start <= at + 1.5, spans
