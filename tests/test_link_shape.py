@@ -208,16 +208,11 @@ def test_bad_link_shape_entries_name_the_file_the_entry_and_what_is_allowed(
     tmp_path: Path, data: dict[str, Any], message: str
 ) -> None:
     path = tmp_path / "s.toml"
-    path.write_text(
-        "\n".join(f"{k} = {json.dumps(v)}" for k, v in data.items() if isinstance(v, str))
-        + "\n"
-        + "".join(
-            f"[[{section}]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in t.items())
-            for section, tables in data.items()
-            if isinstance(tables, list)
-            for t in tables
-        )
-    )
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if isinstance(v, str)]
+    for section, tables in ((k, v) for k, v in data.items() if isinstance(v, list)):
+        for table in tables:  # JSON strings, numbers, booleans and lists are TOML too
+            lines += [f"[[{section}]]", *(f"{k} = {json.dumps(v)}" for k, v in table.items())]
+    path.write_text("\n".join(lines) + "\n")
     with pytest.raises(PlanError) as err:
         load_scenario(path, num_stages=2, num_cores=2)
     assert str(err.value).startswith(f"{path}: ")

@@ -150,6 +150,6 @@ def _check(
     missing = [ns for ns in (bed.switch, host.namespace) if ns not in namespaces()]
     if missing:
         raise NetbedError(
-            f"{where}: the bed is not running (its state file is there, but not namespace "
+            f"{where}: the bed is not running (it has a state file, but no namespace "
             f"{', '.join(missing)}); start it with `adaptipe hosts up --prefix {bed.prefix}`"
         )
