@@ -96,7 +96,7 @@ def test_every_kind_and_clock_parses() -> None:
     assert once.spec == Kill(stage=0) and once.stage == 0
 
 
-ALL_KINDS = "cpu_hog, gpu_hog, memory, link_throttle, slowdown, kill"
+ALL_KINDS = "cpu_hog, gpu_hog, memory, link_throttle, slowdown, kill, link_shape"
 HOG_FIELDS = "kind, at_s, duration_s, at_iteration, iterations, threads, cores, intensity, method"
 BAD: list[tuple[dict[str, Any], str]] = [
     (
@@ -175,7 +175,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"injections": [{"kind": "kill"}]},
-        "injections is not a section (allowed: inject, levels, poisson)",
+        "injections is not a section or key (allowed: inject, levels, poisson, bed, state_dir)",
     ),
     ({"levels": {"heavy": -3}}, "[levels].heavy must be a number > 0 (got -3)"),
     (

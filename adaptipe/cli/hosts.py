@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import TYPE_CHECKING
-
-from adaptipe.errors import PlanError
 
 if TYPE_CHECKING:
     from adaptipe.netbed import Bed, LinkShape
 
 __all__ = ["add_parser", "run"]
-
-_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s)\s*$")
-_MS_PER = {"us": 1e-3, "ms": 1.0, "s": 1e3}
-_PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*%?\s*$")
 
 
 def add_parser(
@@ -64,31 +57,11 @@ def add_parser(
     return p
 
 
-def _ms(text: str | None, what: str) -> float | None:
-    if text is None:
-        return None
-    m = _TIME.match(text)
-    if not m:
-        raise PlanError(f"{what} {text!r} is not a time (examples: 20ms, 500us, 0.1s)")
-    return float(m.group(1)) * _MS_PER[m.group(2)]
-
-
 def _shape(args: argparse.Namespace) -> LinkShape:
-    from adaptipe.netbed import LinkShape
-    from adaptipe.units import parse_bandwidth
+    from adaptipe.netbed import parse_shape
 
-    rate = None if args.rate is None else parse_bandwidth(args.rate, what="--rate") * 8 / 1e6
-    loss = None
-    if args.loss is not None:
-        m = _PERCENT.match(args.loss)
-        if not m:
-            raise PlanError(f"--loss {args.loss!r} is not a percentage (examples: 1%, 0.1%)")
-        loss = float(m.group(1))
-    return LinkShape(
-        rate_mbit=None if rate == float("inf") else rate,
-        delay_ms=_ms(args.delay, "--delay"),
-        jitter_ms=_ms(args.jitter, "--jitter"),
-        loss_pct=loss,
+    return parse_shape(
+        rate=args.rate, delay=args.delay, jitter=args.jitter, loss=args.loss, where="--"
     )
 
 

@@ -20,7 +20,8 @@ def add_parser(
 ) -> argparse.ArgumentParser:
     """Add ``adaptipe inject SCENARIO.toml`` to the ``adaptipe`` command."""
     p = subparsers.add_parser(
-        "inject", help="run an interference scenario: hogs, memory, throttles, slowdowns, kills"
+        "inject",
+        help="run an interference scenario: hogs, memory, throttles, slowdowns, kills, link shapes",
     )
     p.add_argument("scenario", help="scenario file (TOML)")
     p.add_argument("--stages", type=int, default=None, help="the run's stage count (checked)")
@@ -39,7 +40,8 @@ def add_parser(
 def _show(event: Event) -> None:
     verb = event.kind.removeprefix("injection-")
     where = "" if event.stage is None else f" stage {event.stage}"
-    extra = {k: v for k, v in event.detail.items() if k in ("pids", "reason", "error")}
+    shown = ("shape", "restored", "pids", "reason", "error")
+    extra = {k: v for k, v in event.detail.items() if k in shown and v != []}
     notes = " ".join(f"{k}={v}" for k, v in extra.items())
     origin = event.detail.get("origin")
     print(f"[{event.elapsed_s:8.2f} s] {verb:<6} {event.injector}{where} ({origin}) {notes}")

@@ -37,6 +37,13 @@ def add_parser(
         default=600.0,
         help="seconds without a word from any stage before the run counts as lost",
     )
+    p.add_argument(
+        "--inject",
+        metavar="SCENARIO",
+        help="run an interference scenario (TOML) on the run's clock: link shapes on a bed, "
+        "hogs; not kills, slowdowns or throttles",
+    )
+    p.add_argument("--inject-seed", type=int, default=0, help="seed of the scenario's random draws")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
@@ -54,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
             on_iteration=on_iteration,
             wait_s=args.wait_s,
+            inject=args.inject,
+            inject_seed=args.inject_seed,
         )
     if args.json:
         print(json.dumps(summary.to_json()))

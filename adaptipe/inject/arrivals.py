@@ -91,7 +91,8 @@ def parse_poisson(data: Mapping[str, Any], reader: FieldReader) -> tuple[Poisson
 
 
 def _level(reader: FieldReader, t: Any, where: str, levels: Mapping[str, float]) -> PoissonLevel:
-    drawable = tuple(k for k in KINDS if k != "kill")  # kills have their own p and period
+    # kills have their own p and period; link shapes name a bed's host, not a stage
+    drawable = tuple(k for k in KINDS if k not in ("kill", "link_shape"))
     t = reader.mapping(t, where)
     kinds = get_list(t, "kinds", source=reader.source, prefix=f"{where}.")
     if not kinds or len(set(map(repr, kinds))) < len(kinds) or not set(kinds) <= set(drawable):

@@ -25,11 +25,13 @@ from typing import Any, Literal
 
 from adaptipe.errors import AdaptipeError, PlanError
 from adaptipe.inject.injectors import ControlFile, HogProcesses, Injector
+from adaptipe.inject.links import LinkLayer, LinkShaper
 from adaptipe.inject.scenario import (
     CpuHog,
     GpuHog,
     Injection,
     Kill,
+    LinkReshape,
     LinkThrottle,
     MemoryPressure,
     Scenario,
@@ -76,6 +78,7 @@ class ScenarioRunner:
         control_dir: where link-throttle and slowdown state files go (default: a
             temporary folder, removed by `stop()`); see `injectors.read_throttles`.
         kill_stage: called with a stage index to preempt it; needed by kill injections.
+            Link shapes need their beds up when the runner is built (`links.LinkShaper`).
         seed: seeds the draws of kills with p < 1.
         ready_timeout_s: how long an injection may take to be in place.
     """
@@ -103,6 +106,8 @@ class ScenarioRunner:
         self._ready_timeout_s = ready_timeout_s
         needs_dir = any(isinstance(i.spec, LinkThrottle | Slowdown) for i in scenario.injections)
         self._own_dir = control_dir is None and needs_dir  # made by start(), removed by stop()
+        shapes = any(isinstance(i.spec, LinkReshape) for i in scenario.injections)
+        self._links = LinkShaper(scenario) if shapes else None
         self.control_dir = Path(control_dir) if control_dir is not None else None
         keys = range(len(scenario.injections))
         timed = [k for k in keys if not scenario.injections[k].by_iteration]
@@ -263,13 +268,29 @@ class ScenarioRunner:
             self._emit("injection-failed", inj, error=str(exc))
             return
         self._running[key] = _Running(inj, injector, end)
-        self._emit("injection-start", inj, pids=list(injector.pids), **inj.fields())
+        extra = {"shape": injector.shape.describe()} if isinstance(injector, LinkLayer) else {}
+        self._emit("injection-start", inj, pids=list(injector.pids), **inj.fields(), **extra)
+        if isinstance(injector, LinkLayer) and self._links is not None:
+            for older in self._links.replaced_by(injector):  # a later step on the link
+                self._end(older, "replaced")
 
     def _end(self, key: int, reason: str) -> None:
         run = self._running.pop(key)
-        if run.injector is not None:
+        if run.injector is None:
+            return
+        extra: dict[str, Any] = {}
+        try:
             run.injector.stop()
-            self._emit("injection-end", run.injection, reason=reason, pids=list(run.injector.pids))
+        except Exception as exc:  # e.g. a link whose bed went first: the end is still logged
+            self.failures.append(
+                f"{run.injection.origin} ({run.injection.kind}) did not end: {exc}"
+            )
+            self._emit("injection-failed", run.injection, error=str(exc))
+        else:
+            if isinstance(run.injector, LinkLayer) and run.injector.restored is not None:
+                extra["restored"] = run.injector.restored.describe()
+        pids = list(run.injector.pids)
+        self._emit("injection-end", run.injection, reason=reason, pids=pids, **extra)
 
     def _preempt(self, inj: Injection) -> None:
         assert isinstance(inj.spec, Kill) and self._kill_stage is not None
@@ -293,6 +314,9 @@ class ScenarioRunner:
         if isinstance(spec, MemoryPressure):
             size = int(spec.gib * 2**30)
             return HogProcesses([{"load": "memory", "bytes": size, "touch": spec.touch}])
+        if isinstance(spec, LinkReshape):
+            assert self._links is not None
+            return self._links.layer(key, inj)
         assert self.control_dir is not None and isinstance(spec, LinkThrottle | Slowdown)
         state: dict[str, Any] = {"origin": inj.origin, "stage": spec.stage}
         if isinstance(spec, LinkThrottle):

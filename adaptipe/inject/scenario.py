@@ -6,7 +6,7 @@ lasts until the runner stops. ``[[poisson]]`` levels draw injections at random
 (`adaptipe.inject.arrivals`). A scenario file::
 
     [[inject]]
-    kind = "cpu_hog"        # cpu_hog | gpu_hog | memory | link_throttle | slowdown | kill
+    kind = "cpu_hog"        # cpu_hog | gpu_hog | memory | link_throttle | slowdown | kill | link_shape
     at_s = 5
     duration_s = 10
     cores = [1]             # also threads, intensity (busy fraction), method (spin | matmul)
@@ -24,6 +24,13 @@ lasts until the runner stops. ``[[poisson]]`` levels draw injections at random
     stage = 0
     p = 0.1
     period_s = 300
+
+    [[inject]]
+    kind = "link_shape"     # host 1's link on the namespace-host bed "t1", with tc
+    at_iteration = 40
+    bed = "t1"              # or once at the top of the file; state_dir too
+    host = 1
+    rate = "20mbit"         # also delay, jitter, loss; a number is Mbit/s, ms, %
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from adaptipe.errors import PlanError
+from adaptipe.netbed.bed import check_prefix
+from adaptipe.netbed.parse import parse_shape
+from adaptipe.netbed.shape import LinkShape
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str
 from adaptipe.units import parse_bandwidth
 
@@ -51,6 +61,7 @@ __all__ = [
     "Injection",
     "InjectorSpec",
     "Kill",
+    "LinkReshape",
     "LinkThrottle",
     "MemoryPressure",
     "Scenario",
@@ -136,11 +147,35 @@ class Kill:
     period_iterations: int | None = field(default=None, metadata=_rule("int", minimum=1))
 
 
-InjectorSpec = CpuHog | GpuHog | MemoryPressure | LinkThrottle | Slowdown | Kill
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkReshape:
+    """Host `host`'s link on the namespace-host bed `bed` takes this shape, through ``tc``
+    (`adaptipe.netbed.shape`); when the injection ends the link gets back the shape it
+    would have without it. A rate is text with a unit (``"100mbit"``) or Mbit/s, a delay
+    or jitter ``"5ms"`` or ms, a loss ``"0.1%"`` or percent (`adaptipe.netbed.parse`).
+    """
+
+    kind: ClassVar[str] = "link_shape"
+    host: int = field(metadata=_rule("int", minimum=0))
+    bed: str = field(metadata=_rule("bed"))
+    state_dir: str | None = field(default=None, metadata=_rule("str"))
+    rate: str | float | None = field(default=None, metadata=_rule("shape"))
+    delay: str | float | None = field(default=None, metadata=_rule("shape"))
+    jitter: str | float | None = field(default=None, metadata=_rule("shape"))
+    loss: str | float | None = field(default=None, metadata=_rule("shape"))
+
+    @property
+    def shape(self) -> LinkShape:
+        return parse_shape(rate=self.rate, delay=self.delay, jitter=self.jitter, loss=self.loss)
+
+
+InjectorSpec = CpuHog | GpuHog | MemoryPressure | LinkThrottle | Slowdown | Kill | LinkReshape
 SPECS: dict[str, type[InjectorSpec]] = {
-    c.kind: c for c in (CpuHog, GpuHog, MemoryPressure, LinkThrottle, Slowdown, Kill)
+    c.kind: c for c in (CpuHog, GpuHog, MemoryPressure, LinkThrottle, Slowdown, Kill, LinkReshape)
 }
 KINDS = tuple(SPECS)
+_TOP = ("inject", "levels", "poisson", "bed", "state_dir")  # bed, state_dir: for link_shape
+_SHAPE_FIELDS = ("rate", "delay", "jitter", "loss")
 _SECONDS = ("at_s", "duration_s", "period_s")
 _ITERATIONS = ("at_iteration", "iterations", "period_iterations")
 
@@ -173,13 +208,13 @@ class Injection:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self.spec).items()}
 
     def describe(self) -> str:
+        # a link shape without a duration also ends when a later one on its link starts
+        forever = "until replaced or stop" if isinstance(self.spec, LinkReshape) else "until stop"
         if self.by_iteration:
-            end = "until stop" if self.iterations is None else f"for {self.iterations} iterations"
+            end = forever if self.iterations is None else f"for {self.iterations} iterations"
             when = f"iteration {self.at_iteration} {end}"
         else:
-            end = (
-                "until stop" if self.duration_s is None else f"for {round(self.duration_s, 1):g} s"
-            )
+            end = forever if self.duration_s is None else f"for {round(self.duration_s, 1):g} s"
             when = f"{round(self.at_s or 0.0, 1):g} s {end}"
         what = " ".join(f"{k}={v}" for k, v in self.fields().items() if v is not None)
         return f"{when}: {self.kind} {what} ({self.origin})"
@@ -223,8 +258,12 @@ def parse_scenario(
 
     reader = FieldReader(source, num_stages, num_cores or os.cpu_count() or 1)
     for key in data:
-        if key not in ("inject", "levels", "poisson"):
-            raise PlanError(f"{source}: {key} is not a section (allowed: inject, levels, poisson)")
+        if key not in _TOP:
+            raise PlanError(f"{source}: {key} is not a section or key (allowed: {', '.join(_TOP)})")
+    reader.bed_defaults = {k: data[k] for k in ("bed", "state_dir") if k in data}
+    bed_fields = {f.name: f for f in fields(LinkReshape)}
+    for key, value in reader.bed_defaults.items():  # checked even if no entry needs them
+        reader.value(bed_fields[key], {key: value}, "")
     tables = get_list(data, "inject", source=source, default=[])
     return Scenario(
         source=source,
@@ -239,6 +278,7 @@ class FieldReader:
 
     def __init__(self, source: str, num_stages: int | None, num_cores: int) -> None:
         self.source, self.num_stages, self.num_cores = source, num_stages, num_cores
+        self.bed_defaults: dict[str, Any] = {}  # the scenario's own bed and state_dir
 
     def fail(self, where: str, message: str) -> PlanError:
         return PlanError(f"{self.source}: {where} {message}")
@@ -258,7 +298,7 @@ class FieldReader:
         return table
 
     def value(self, f: Field[Any], t: Mapping[str, Any], where: str) -> Any:
-        rule, key, src, pre = f.metadata, f.name, self.source, f"{where}."
+        rule, key, src, pre = f.metadata, f.name, self.source, f"{where}." if where else ""
         kind = rule["kind"]
         if kind in ("int", "stage"):
             value: Any = get_int(t, key, source=src, prefix=pre, minimum=rule.get("minimum"))
@@ -274,6 +314,19 @@ class FieldReader:
             return get_bool(t, key, source=src, prefix=pre)
         if kind == "str":
             return get_str(t, key, source=src, prefix=pre, choices=rule.get("choices"))
+        if kind == "bed":
+            text = get_str(t, key, source=src, prefix=pre)
+            try:
+                return check_prefix(text)
+            except PlanError:
+                raise self.fail(
+                    pre + key, f"must be a bed's prefix: 1 to 8 of a-z, 0-9 (got {text!r})"
+                ) from None
+        if kind == "shape":
+            value = t[key]
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                raise self.fail(pre + key, f"must be text with a unit or a number (got {value!r})")
+            return value
         if kind == "bandwidth":
             text = get_str(t, key, source=src, prefix=pre)
             parse_bandwidth(text, what=f"{src}: {pre}{key}")
@@ -298,6 +351,8 @@ class FieldReader:
     def spec(self, kind: str, t: Mapping[str, Any], where: str) -> InjectorSpec:
         """Build injector `kind` from the fields of `t` it names (checked by the caller)."""
         cls = SPECS[kind]
+        if cls is LinkReshape:
+            t = self._bed_of(t, where)
         for f in fields(cls):
             if f.default is MISSING and f.name not in t:
                 raise self.fail(f"{where}.{f.name}", f"is missing (a {kind} needs it)")
@@ -311,7 +366,28 @@ class FieldReader:
         ):
             nothing = 'throttles nothing: give bandwidth (e.g. "100MB/s") or extra_latency_s'
             raise self.fail(where, nothing)
+        if isinstance(spec, LinkReshape):
+            if all(getattr(spec, name) is None for name in _SHAPE_FIELDS):
+                nothing = 'sets no shape: give rate, delay, jitter or loss (rate = "inf": no limit)'
+                raise self.fail(where, nothing)
+            parse_shape(
+                **{n: getattr(spec, n) for n in _SHAPE_FIELDS}, where=f"{self.source}: {where}."
+            )
         return spec
+
+    def _bed_of(self, t: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+        """`t` with the scenario's bed and state_dir where it gives none; a link_shape
+        without a bed is refused here, before anything runs."""
+        t = {**self.bed_defaults, **t}
+        if "bed" not in t:
+            raise self.fail(
+                where,
+                "(link_shape) needs a bed: link_shape reshapes a link of a namespace-host bed "
+                '(`adaptipe hosts up --prefix PREFIX`) with tc; give bed = "PREFIX" in the '
+                "entry or at the top of the scenario (and state_dir if the bed's state file "
+                "is not in the default folder)",
+            )
+        return t
 
     def injection(self, t: Any, where: str) -> Injection:
         t = self.mapping(t, where)

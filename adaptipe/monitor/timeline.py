@@ -83,7 +83,7 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
 
     def span(start: Event, end_s: float, note: str = "") -> Mark:
         s0 = start.time_s - t0
-        label = f"{start.detail.get('injector', 'injection')} injection"
+        label = _span_label(start)
         its = clock.to_iter(s0), clock.to_iter(end_s)
         return Mark("injection", label, s0, end_s, *its, detail(start) + note)
 
@@ -106,6 +106,15 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
                     Mark("checkpoint", "checkpoint", clock.to_time(x), None, x, None, path.name)
                 )
     return sorted(marks, key=lambda m: (m.start_it or 0.0, m.start_s or 0.0))
+
+
+def _span_label(start: Event) -> str:
+    """``cpu_hog injection``; a link shape says its host and shape (``link_shape host 2:
+    20 mbit``), so each step of a ladder gets its own colour and legend entry."""
+    injector = start.detail.get("injector", "injection")
+    if "shape" in start.detail and "host" in start.detail:
+        return f"{injector} host {start.detail['host']}: {start.detail['shape']}"
+    return f"{injector} injection"
 
 
 def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:

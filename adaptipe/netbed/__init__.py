@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from adaptipe.netbed.bed import SUBNET, Bed, Host
 from adaptipe.netbed.lifecycle import down, load, shape, state_path, up
+from adaptipe.netbed.parse import parse_shape
 from adaptipe.netbed.shape import LinkShape
 from adaptipe.netbed.system import available
 
@@ -23,6 +24,7 @@ __all__ = [
     "available",
     "down",
     "load",
+    "parse_shape",
     "shape",
     "state_path",
     "up",

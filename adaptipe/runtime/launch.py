@@ -276,7 +276,7 @@ def _run(
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
-    interference = None
+    procs = None
     if elsewhere is not None:
         collector, workers = elsewhere.start(run, follower, monitored=monitored)
         marked = True  # with where its telemetry goes: the workers look it up
@@ -296,11 +296,6 @@ def _run(
         )
         procs = start_workers(resume=resume)
         workers = LocalWorkers(procs, functools.partial(start_workers, resume=True))
-        if scenario is not None:
-            assert collector is not None
-            interference = Interference(
-                scenario, collector.address, run.root / "inject", procs, inject_seed
-            )
     launch = _Launch(
         run=run,
         cfg=cfg,
@@ -309,14 +304,22 @@ def _run(
         follower=follower,
         controller=controller,
         collector=collector,
-        interference=interference,
+        interference=None,
         on_iteration=on_iteration,
         marked=marked,
     )
-    for log in (run.metrics, run.root / "control.jsonl"):
-        run.drop_torn_line(log)  # appended to below
-    run.forget_metrics_from(start)  # trained again from the checkpoint: logged once
     try:
+        if scenario is not None:
+            assert collector is not None
+            # torchrun's workers: telemetry off loopback, with the keys manage made
+            info = read_manager(run) if elsewhere is not None else None
+            curve = info.curve() if info is not None else None
+            launch.interference = Interference(
+                scenario, collector.address, run.root / "inject", procs, inject_seed, curve=curve
+            )
+        for log in (run.metrics, run.root / "control.jsonl"):
+            run.drop_torn_line(log)  # appended to below
+        run.forget_metrics_from(start)  # trained again from the checkpoint: logged once
         with (
             sigterm_raises(),
             run.metrics.open("a") as metrics,

@@ -16,6 +16,11 @@ Start it before the workers (they look it up when they start)::
     adaptipe prepare run.toml --run-dir /shared/runs/r
     adaptipe manage /shared/runs/r --bind 192.0.2.1 &
     torchrun --nnodes 2 ... -m adaptipe.runtime.worker --run-dir /shared/runs/r
+
+With ``--inject SCENARIO`` it runs an interference scenario on the run's clock, as
+`adaptipe train --inject` does: link shapes on a bed of namespace hosts, hogs and memory
+pressure on this host; kills, slowdowns and throttles are refused
+(`adaptipe.runtime.interference`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from pathlib import Path
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.collector import Collector
+from adaptipe.runtime.host import this_host
+from adaptipe.runtime.interference import load_interference
 from adaptipe.runtime.launch import ProgressFn, _resumable, _run
 from adaptipe.runtime.managerinfo import ManagerInfo, write_manager
 from adaptipe.runtime.metrics_merge import MetricsFollower
@@ -45,6 +52,8 @@ def manage(
     on_iteration: ProgressFn | None = None,
     poll_s: float = 0.05,
     wait_s: float = 600.0,
+    inject: str | os.PathLike[str] | None = None,
+    inject_seed: int = 0,
 ) -> TrainSummary:
     """Manage the prepared run in ``run_dir`` while workers started elsewhere train it;
     return its summary.
@@ -57,6 +66,10 @@ def manage(
             latest checkpoint).
         on_iteration: called with each merged metrics record and the total.
         wait_s: how long no stage may report anything before the run counts as lost.
+        inject: an interference scenario (TOML) to run on the run's clock, from this
+            host; its events join the telemetry. Kills, slowdowns and throttles are
+            refused (they need workers this process started).
+        inject_seed: seed of the scenario's random draws.
     """
     run = RunDir(Path(run_dir))
     if resume:
@@ -76,6 +89,15 @@ def manage(
         )
     address = _check_bind(bind)
     schedule = run.read_schedule()
+    scenario = None
+    if inject is not None:
+        scenario = load_interference(
+            inject,
+            num_stages=schedule.num_stages,
+            num_cores=this_host().cores,
+            seed=inject_seed,
+            remote=True,
+        )
     elsewhere = _Torchrun(address, wait_s=wait_s, stages=schedule.num_stages)
     return _run(
         run,
@@ -86,6 +108,8 @@ def manage(
         resume=resume,
         on_iteration=on_iteration,
         poll_s=poll_s,
+        scenario=scenario,
+        inject_seed=inject_seed,
         elsewhere=elsewhere,
     )
 
