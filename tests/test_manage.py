@@ -31,7 +31,7 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.supervisor import StageFailed
 from adaptipe.runtime.worker import FAULT_ENV
 
-ITERATIONS = 40
+ITERATIONS = 100  # a request made at iteration 5 lands long before the end
 
 
 def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:

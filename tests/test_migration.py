@@ -295,7 +295,8 @@ def test_a_live_request_moves_layers_while_training_runs(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
     case = CASES["1f1b-2-adam-one-job"]
-    train(_config(make_config, case, tmp_path / "still", moves=False))
+    long = 100  # the request, made at iteration 2, lands long before the end
+    train(_config(make_config, case, tmp_path / "still", moves=False, iterations=long))
     live = tmp_path / "live"
     asked: list[int] = []
 
@@ -303,14 +304,15 @@ def test_a_live_request_moves_layers_while_training_runs(
         if not asked and record["iteration"] >= 2:
             asked.append(repartition(live, [0, 2, 6]).version)
 
-    train(_config(make_config, case, live, moves=False), on_iteration=on_iteration)
+    cfg = _config(make_config, case, live, moves=False, iterations=long)
+    train(cfg, on_iteration=on_iteration)
     adopted = adoptions(RunDir(live))
-    assert list(adopted) == asked == [1] and 2 < adopted[1] < ITERATIONS
+    assert list(adopted) == asked == [1] and 2 < adopted[1] < long
     migrations = _events(live, "migration", 2)
     assert [[(e["iteration"], e["ok"]) for e in s] for s in migrations] == [
         [(adopted[1], True)]
     ] * 2
-    _assert_bitwise(_final(live), _final(tmp_path / "still"))
+    _assert_bitwise(_final(live, long), _final(tmp_path / "still", long))
     with pytest.raises(PlanError, match="the run has finished"):
         repartition(live, [0, 3, 6])
 

@@ -33,7 +33,7 @@ from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
 
 REASON = netbed.available()
-ITERATIONS = 60
+ITERATIONS = 100  # a request made at iteration 5 lands long before the end
 PORT = 29517  # rendezvous port on host 1 (its namespace has nothing else)
 
 
