@@ -173,6 +173,7 @@ class P2PTransport:
         self._j = num_jobs
         self._lookahead = max(1, lookahead)
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self._inflight: deque[Any] = deque()  # every send's work, until it completes
         self._plan: list[tuple[TransferKey, int, TensorSpec]] = []
         self._next = 0
         self._limit = 0  # receives of the plan that may be posted (`hold_posts`)
@@ -269,6 +270,8 @@ class P2PTransport:
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))
+        if work is not None:
+            self._inflight.append(work)
         nbytes = tensor.numel() * tensor.element_size()
         self.bytes_sent += nbytes
         if self._links is not None and work is not None:  # None only off the group
@@ -279,6 +282,13 @@ class P2PTransport:
                 self._sends.popleft()
         self.comm_s += time.perf_counter() - t0
 
+    def sending(self) -> bool:
+        """Whether an activation or gradient send of this stage is still in flight (what
+        a low-priority state stream yields to, `adaptipe.runtime.statestream`)."""
+        while self._inflight and self._inflight[0].is_completed():
+            self._inflight.popleft()
+        return bool(self._inflight)
+
     def flush(self) -> None:
         """Wait for every outstanding send (end of an iteration); raise a failed one's error."""
         t0 = time.perf_counter()
@@ -287,6 +297,7 @@ class P2PTransport:
         while self._sends:
             work, _ = self._sends.popleft()
             work.wait()
+        self._inflight.clear()  # every one is done now
         self.comm_s += time.perf_counter() - t0
 
     def take_times(self) -> tuple[float, float]:
