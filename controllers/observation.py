@@ -45,7 +45,7 @@ class Observation:
     bounds: tuple[int, ...]  # the partition in force
     layer_forward_s: tuple[float, ...]  # profiled, per layer
     layer_backward_s: tuple[float, ...]
-    boundary_bytes: tuple[int, ...]  # activation + gradient bytes if a stage ends after it
+    boundary_bytes: tuple[int, ...]  # bytes a stage boundary after the layer carries
     state_bytes: tuple[int, ...]  # parameters + optimizer state per layer
     iterations: tuple[int, ...] = ()  # the window's iterations, oldest first
     measured_forward_s: Rows = ()  # [window][layer]; NaN where no stage reported it
@@ -174,9 +174,7 @@ def observe(
         bounds=tuple(partition.bounds),
         layer_forward_s=tuple(layer.forward_s for layer in profile.layers),
         layer_backward_s=tuple(layer.backward_s for layer in profile.layers),
-        boundary_bytes=tuple(
-            int(layer.activation_bytes + layer.gradient_bytes) for layer in profile.layers
-        ),
+        boundary_bytes=_boundary_bytes(profile),
         state_bytes=tuple(
             int(layer.param_bytes + layer.optimizer_bytes) for layer in profile.layers
         ),
@@ -187,6 +185,16 @@ def observe(
         stage_iteration_s=iteration_s,
         link_bandwidth_Bps=bandwidth,
         device=_device_rows(device, stages),
+    )
+
+
+def _boundary_bytes(profile: Profile) -> tuple[int, ...]:
+    """Per layer i: what a stage boundary after it carries, its output forward plus the
+    gradient into layer i + 1 back (DynPipe Eq. 7); the last layer's is its output."""
+    layers = profile.layers
+    return tuple(
+        int(layer.activation_bytes + (layers[i + 1].gradient_bytes if i + 1 < len(layers) else 0))
+        for i, layer in enumerate(layers)
     )
 
 

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from adaptipe.controllers import Decision, Keep, Observation, observe
+from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
+from adaptipe.controllers.threshold import Threshold, ThresholdSettings
 from adaptipe.errors import PlanError
 from adaptipe.monitor.features import FEATURES
 from adaptipe.monitor.schema import DeviceSample, LinkSample, Record, StageStats
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import LayerProfile, Profile
 from adaptipe.runtime.config import RunConfig
+from adaptipe.sim.migration import MigrationCost, moved_layers
 
 LAYERS = 6
 
@@ -93,7 +97,8 @@ def test_an_observation_holds_the_last_complete_iterations_by_global_layer() -> 
     assert len(obs.device) == 2 and len(obs.device[0]) == len(FEATURES)
     assert obs.device[1] == (0.0,) * len(FEATURES)  # stage 1 sent no device sample
     assert obs.layer_forward_s[2] == pytest.approx(0.003)
-    assert obs.boundary_bytes[0] == 110 and obs.state_bytes[5] == 18000
+    assert obs.boundary_bytes[0] == 120 and obs.boundary_bytes[5] == 600  # out + grad in
+    assert obs.state_bytes[5] == 18000
     assert Observation.from_json(obs.to_json()) == obs
 
 
@@ -146,3 +151,133 @@ def test_an_observation_from_a_real_runs_telemetry(
     assert all(v > 0 for row in obs.measured_forward_s for v in row)
     assert obs.bounds == run.read_partition().bounds
     assert Observation.from_json(obs.to_json()) == obs
+
+
+def _synthetic(work: list[float], stages: int, bandwidth: float, nbytes: int) -> Observation:
+    n = len(work)
+    bounds = tuple(round(k * n / stages) for k in range(stages + 1))
+    return Observation(
+        iteration=0,
+        bounds=bounds,
+        layer_forward_s=tuple(w / 3 for w in work),
+        layer_backward_s=tuple(2 * w / 3 for w in work),
+        boundary_bytes=(nbytes,) * n,
+        state_bytes=(0,) * n,
+        link_bandwidth_Bps={f"{s}-{s + 1}": bandwidth for s in range(stages - 1)},
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_best_partition_is_the_least_predicted_one_of_all(seed: int) -> None:
+    """Optimality on small instances: the programme against every partition."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    n, stages = rng.randint(4, 9), rng.randint(2, 4)
+    obs = _synthetic([rng.uniform(0.1, 2.0) for _ in range(n)], stages, rng.choice([1e3, 1e9]),
+                     rng.choice([0, 500]))  # fmt: skip
+    slow = tuple(rng.choice([1.0, 1.0, 2.5]) for _ in range(stages))
+    bounds, t = best_partition(obs, slow)
+    every = [(0, *cut, n) for cut in itertools.combinations(range(1, n), stages - 1)]
+    least = min(predicted_time(obs, b, slow) for b in every)
+    assert t == pytest.approx(least) and predicted_time(obs, bounds, slow) == pytest.approx(t)
+    assert bounds[0] == 0 and bounds[-1] == n and all(a < b for a, b in itertools.pairwise(bounds))
+
+
+def test_a_slow_stage_gets_fewer_layers_and_slowdowns_come_from_measurements() -> None:
+    obs = _synthetic([1.0] * 8, 2, 1e12, 0)
+    assert best_partition(obs, (1.0, 1.0))[0] == (0, 4, 8)
+    assert best_partition(obs, (1.0, 3.0))[0] == (0, 6, 8)  # 6 x 1 against 2 x 3
+    measured = replace(
+        obs,
+        measured_forward_s=(tuple(1 / 3 for _ in range(4)) + tuple(1.0 for _ in range(4)),),
+        measured_backward_s=(tuple(2 / 3 for _ in range(4)) + tuple(2.0 for _ in range(4)),),
+    )
+    assert stage_slowdowns(measured) == pytest.approx((1.0, 3.0))
+    assert best_partition(measured)[0] == (0, 6, 8)
+    with pytest.raises(PlanError, match="2 slowdowns for 3 stages"):
+        best_partition(_synthetic([1.0] * 6, 3, 1e9, 0), (1.0, 1.0))
+
+
+def _slowed_records(iterations: int, slow_from: int, factor: float) -> list[Record]:
+    """Two stages on bounds 0,3,6 of `_profile`; stage 1 runs ``factor`` x slower from
+    iteration ``slow_from``; each stage's iteration time is the slower one's compute."""
+    prof = _profile()
+    recs: list[Record] = []
+    for it in range(iterations):
+        slow = factor if it >= slow_from else 1.0
+        per = [(0, 3, 1.0), (1, 3, slow)]
+        times = [
+            sum(slow_s * (prof.layers[i].forward_s + prof.layers[i].backward_s)
+                for i in range(3 * stage, 3 * stage + 3))
+            for stage, _, slow_s in per
+        ]  # fmt: skip
+        for stage, count, slow_s in per:
+            first = 3 * stage
+            recs.append(
+                StageStats(
+                    run_id="r", stage=stage, iteration=it, time_s=100.0 + it,
+                    first_layer=first,
+                    forward_s=tuple(slow_s * prof.layers[first + i].forward_s for i in range(count)),
+                    backward_s=tuple(
+                        slow_s * prof.layers[first + i].backward_s for i in range(count)
+                    ),
+                    compute_s=times[stage], wait_s=0.0, comm_s=0.0, iteration_s=max(times),
+                )
+            )  # fmt: skip
+    return recs
+
+
+def test_the_threshold_controller_moves_after_k_checks_over_the_margin() -> None:
+    partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 3, 6))
+    balanced = replace(_synthetic([0.3] * 8, 2, 1e12, 0), stage_iteration_s=((1.2, 1.2),))
+    steady = Threshold(ThresholdSettings(patience=1))
+    assert "within the margin 0/1 checks" in steady.decide(balanced).reason  # 1.2 s = best
+    slower = replace(balanced, stage_iteration_s=((2.0, 2.0),))  # slow, yet nothing to move
+    assert "the partition in force is the best" in steady.decide(slower).reason
+    controller = Threshold(ThresholdSettings(patience=3, cooldown=10, horizon=100))
+    recs = _slowed_records(30, 10, 3.0)
+    decisions = []
+    for upto in (20, 21, 22):  # three checks, all in the slowed phase
+        obs = observe([r for r in recs if r.iteration < upto], _profile(), partition, window=4)  # type: ignore[attr-defined]
+        decisions.append(controller.decide(obs))
+    assert [d.moves for d in decisions] == [False, False, True]
+    assert "1/3 checks" in decisions[0].reason and "2/3 checks" in decisions[1].reason
+    moved = decisions[-1]
+    assert moved.bounds is not None and moved.bounds[1] > 3  # stage 1 gives layers away
+    assert moved.predicted_gain_s is not None and moved.predicted_gain_s > 0
+    again = observe([r for r in recs if r.iteration < 25], _profile(), partition, window=4)  # type: ignore[attr-defined]
+    for _ in range(3):
+        late = controller.decide(again)
+    assert not late.moves and "cooling down since iteration 21" in late.reason
+
+
+def test_the_threshold_controller_weighs_the_move_and_counts_moves_per_hour() -> None:
+    partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 3, 6))
+    obs = observe(_slowed_records(12, 0, 3.0), _profile(), partition, window=4)
+    costly = Threshold(ThresholdSettings(patience=1, horizon=1), cost=MigrationCost(fixed_s=10.0))
+    decision = costly.decide(obs)
+    assert not decision.moves and "does not pay the move's 10.0" in decision.reason
+    now = [0.0]
+    capped = Threshold(
+        ThresholdSettings(patience=1, cooldown=0, max_per_hour=2), clock=lambda: now[0]
+    )
+    assert [capped.decide(obs).moves for _ in range(3)] == [True, True, False]
+    assert "2 moves in the last hour" in capped.decide(obs).reason
+    now[0] = 3601.0
+    assert capped.decide(obs).moves
+    with pytest.raises(PlanError, match="patience must be >= 1"):
+        ThresholdSettings(patience=0)
+
+
+def test_the_migration_cost_fits_its_own_figures_and_prices_the_moving_layers() -> None:
+    truth = MigrationCost(fixed_s=0.02, efficiency=0.5)
+    samples = [(n, bw, truth.stall_s(n, bw)) for n in (1 << 20, 8 << 20) for bw in (1e8, 1e9)]
+    fitted = MigrationCost.fit(samples)
+    assert fitted.fixed_s == pytest.approx(0.02) and fitted.efficiency == pytest.approx(0.5)
+    assert truth.stall_s(0, 1e9) == 0.0
+    assert moved_layers((0, 3, 6), (0, 5, 6)) == [3, 4]
+    assert moved_layers((0, 1, 2, 6), (0, 3, 4, 6)) == [1, 2, 3]
+    with pytest.raises(PlanError, match="does not grow"):
+        MigrationCost.fit([(1, 1.0, 2.0), (2, 1.0, 1.0)])

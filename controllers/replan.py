@@ -1,0 +1,101 @@
+"""The best partition for the pipeline as it runs now: DynPipe's planner on measured
+times, with each stage's slowdown.
+
+A stage that runs slower than its layers' profile (interference, a throttled device)
+slows whatever layers it holds. `stage_slowdowns` reads that factor per stage from an
+`Observation` (measured over profiled seconds of the layers it holds), and
+`best_partition` runs DynPipe's Eq. 4-5 dynamic programme (`adaptipe.plan.dynpipe`)
+with every candidate's layers scaled by the slowdown of the stage that would hold them,
+over the measured link bandwidths. What it predicts for its best partition, against
+what the bottleneck stage measures now, is what the threshold controller compares.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from adaptipe.controllers.observation import Observation
+from adaptipe.errors import PlanError
+from adaptipe.plan.dynpipe import cycle_time
+
+__all__ = ["best_partition", "predicted_time", "stage_slowdowns"]
+
+
+def stage_slowdowns(obs: Observation) -> tuple[float, ...]:
+    """Per stage: the window's median measured forward + backward seconds of the layers
+    it holds over their profiled seconds (1.0 where nothing was measured)."""
+    out = []
+    for s in range(obs.num_stages):
+        layers = range(obs.bounds[s], obs.bounds[s + 1])
+        ratios = []
+        for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
+            measured = sum(fwd[i] + bwd[i] for i in layers)
+            profiled = sum(obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in layers)
+            if profiled > 0 and math.isfinite(measured):
+                ratios.append(measured / profiled)
+        out.append(statistics.median(ratios) if ratios else 1.0)
+    return tuple(out)
+
+
+def _bandwidths(obs: Observation) -> list[float]:
+    """Per stage boundary s -> s + 1: the observed link bandwidth (inf when unmeasured)."""
+    return [obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", math.inf) for s in range(obs.num_stages - 1)]
+
+
+def predicted_time(
+    obs: Observation, bounds: Sequence[int], slowdowns: Sequence[float] | None = None
+) -> float:
+    """DynPipe's per-iteration time of ``bounds`` (Eq. 4-5) with stage ``s``'s layers at
+    ``slowdowns[s]`` times their profile and the observed link bandwidths."""
+    slow = stage_slowdowns(obs) if slowdowns is None else tuple(slowdowns)
+    bws = _bandwidths(obs)
+    work = [obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in range(obs.num_layers)]
+    total = slow[0] * sum(work[bounds[0] : bounds[1]])
+    for s in range(1, len(bounds) - 1):
+        comm = obs.boundary_bytes[bounds[s] - 1] / bws[s - 1]
+        total = cycle_time(total, comm, slow[s] * sum(work[bounds[s] : bounds[s + 1]]))
+    return total
+
+
+def best_partition(
+    obs: Observation, slowdowns: Sequence[float] | None = None
+) -> tuple[tuple[int, ...], float]:
+    """The partition with the least predicted time (`predicted_time`) for the observed
+    stage count, and that time. Exact: Eq. 4 is non-decreasing in the merged stages'
+    time, so the best prefix per (stage, boundary) is all the programme keeps."""
+    slow = stage_slowdowns(obs) if slowdowns is None else tuple(slowdowns)
+    stages, n = obs.num_stages, obs.num_layers
+    if len(slow) != stages:
+        raise PlanError(f"best_partition: {len(slow)} slowdowns for {stages} stages")
+    if n < stages:
+        raise PlanError(f"best_partition: {n} layers cannot fill {stages} stages")
+    bws = _bandwidths(obs)
+    work = [obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in range(n)]
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    # best[j]: the least folded time of stages 0..s over layers [0, j); how[s][j]: its split
+    best = [math.inf] * (n + 1)
+    for j in range(1, n - stages + 2):
+        best[j] = slow[0] * prefix[j]
+    how: list[list[int]] = [[0] * (n + 1)]
+    for s in range(1, stages):
+        nxt = [math.inf] * (n + 1)
+        split = [0] * (n + 1)
+        for j in range(s + 1, n - stages + s + 2):  # stage s holds [i, j)
+            for i in range(s, j):
+                if not math.isfinite(best[i]):
+                    continue
+                comm = obs.boundary_bytes[i - 1] / bws[s - 1]
+                t = cycle_time(best[i], comm, slow[s] * (prefix[j] - prefix[i]))
+                if t < nxt[j]:
+                    nxt[j], split[j] = t, i
+        best = nxt
+        how.append(split)
+    bounds = [n]
+    for s in range(stages - 1, 0, -1):
+        bounds.append(how[s][bounds[-1]])
+    bounds.append(0)
+    return tuple(reversed(bounds)), best[n]

@@ -1,0 +1,120 @@
+"""The threshold controller: re-partition when the pipeline runs clearly slower than the
+best partition would, for long enough, and the gain pays for the move.
+
+At each check it compares the measured iteration time (the window's median of the
+slowest stage's) with what DynPipe's planner predicts for the best partition on the
+measured per-layer times, each candidate's layers scaled by the slowdown of the stage
+that would hold them (`adaptipe.controllers.replan`). It moves when
+
+- the measured time exceeds the best prediction by more than ``margin`` at
+  ``patience`` consecutive checks,
+- the best partition differs from the one in force,
+- the predicted gain over ``horizon`` iterations exceeds the move's stall
+  (`adaptipe.sim.migration.MigrationCost` on the moving layers' state and the slowest
+  link the moves cross),
+- no move came in the last ``cooldown`` iterations and fewer than ``max_per_hour``
+  moves in the last hour.
+
+Every decision says why, with the numbers it compared.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from adaptipe.controllers.base import Decision
+from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.replan import best_partition
+from adaptipe.errors import PlanError
+from adaptipe.sim.migration import MigrationCost, moved_layers
+
+__all__ = ["UNMEASURED_BPS", "Threshold", "ThresholdSettings"]
+
+UNMEASURED_BPS = 1e9
+"""A link no telemetry measured is priced at 1 GB/s (about loopback gloo's here)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ThresholdSettings:
+    margin: float = 0.10  # measured over best predicted, beyond 1
+    patience: int = 3  # consecutive checks over the margin (K)
+    cooldown: int = 20  # iterations after a move before the next
+    max_per_hour: int = 6
+    horizon: int = 100  # iterations a move's gain is counted over
+
+    def __post_init__(self) -> None:
+        for name, low in (("patience", 1), ("cooldown", 0), ("max_per_hour", 1), ("horizon", 1)):
+            if getattr(self, name) < low:
+                raise PlanError(f"threshold: {name} must be >= {low} (got {getattr(self, name)})")
+        if not self.margin >= 0:
+            raise PlanError(f"threshold: margin must be >= 0 (got {self.margin})")
+
+
+class Threshold:
+    """See the module doc. ``clock`` (seconds) counts moves per hour."""
+
+    name = "threshold"
+
+    def __init__(
+        self,
+        settings: ThresholdSettings = ThresholdSettings(),
+        *,
+        cost: MigrationCost | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings, self._clock = settings, clock
+        self.cost = cost if cost is not None else MigrationCost()
+        self._over = 0  # consecutive checks over the margin
+        self._last_move: int | None = None  # iteration of the last move
+        self._moves: deque[float] = deque()  # clock times of the moves
+
+    def decide(self, obs: Observation) -> Decision:
+        s = self.settings
+        if not obs.stage_iteration_s:
+            return Decision(reason="nothing measured yet")
+        measured = statistics.median(max(row) for row in obs.stage_iteration_s)
+        bounds, best = best_partition(obs)
+        ratio = measured / best if best > 0 else math.inf
+        self._over = self._over + 1 if ratio > 1 + s.margin else 0
+        seen = f"measured {measured * 1e3:.1f} ms, best {bounds} predicted {best * 1e3:.1f} ms"
+        if self._over < s.patience:
+            return Decision(reason=f"{seen}: within the margin {self._over}/{s.patience} checks")
+        if bounds == tuple(obs.bounds):
+            return Decision(reason=f"{seen}: the partition in force is the best")
+        gain = measured - best
+        stall = self._stall(obs, bounds)
+        if gain * s.horizon <= stall:
+            return Decision(
+                reason=f"{seen}: gain {gain * s.horizon:.3f} s over {s.horizon} iterations "
+                f"does not pay the move's {stall:.3f} s"
+            )
+        if self._last_move is not None and obs.iteration - self._last_move < s.cooldown:
+            return Decision(reason=f"{seen}: cooling down since iteration {self._last_move}")
+        now = self._clock()
+        while self._moves and now - self._moves[0] > 3600:
+            self._moves.popleft()
+        if len(self._moves) >= s.max_per_hour:
+            return Decision(reason=f"{seen}: {s.max_per_hour} moves in the last hour already")
+        self._over = 0
+        self._last_move = obs.iteration
+        self._moves.append(now)
+        return Decision(
+            bounds=bounds,
+            predicted_gain_s=gain,
+            reason=f"{seen}: {ratio:.2f}x for {s.patience} checks; gain {gain * 1e3:.1f} ms "
+            f"per iteration against a {stall:.3f} s move",
+        )
+
+    def _stall(self, obs: Observation, bounds: tuple[int, ...]) -> float:
+        moving = moved_layers(obs.bounds, bounds)
+        nbytes = sum(obs.state_bytes[i] for i in moving)
+        links = [
+            obs.link_bandwidth_Bps.get(f"{k}-{k + 1}", math.inf) for k in range(obs.num_stages - 1)
+        ]
+        slowest = min(links) if links else math.inf
+        return self.cost.stall_s(nbytes, slowest if math.isfinite(slowest) else UNMEASURED_BPS)
