@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,8 +39,8 @@ from adaptipe.netbed.system import namespaces
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.interference import load_interference
 from adaptipe.runtime.launch import prepare, train
-from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.rundir import RunDir
+from tests._bed_runs import start_manager, torchrun_stage, wait_marked
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 REASON = netbed.available()
@@ -479,36 +477,18 @@ def _small_send_buffers(hosts: tuple[Host, ...]) -> None:
         host.run(["sysctl", "-q", "-w", limit], timeout=10, check=True)
 
 
-def _torchrun(host: Host, node: int, head: Host, run_dir: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head.address}:{PORT}",
-        "--rdzv-conf", f"is_host={int(host is head)}",  # the store lives on the head host
-        "--local-addr", host.address, "--max-restarts", "0",
-        "-m", "adaptipe.runtime.worker", "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
-    log = (run_dir / f"torchrun-{node}.log").open("wb")
-    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 def _managed_run(bed: Bed, run: RunDir, scenario: Path) -> dict[str, Any]:
     """``adaptipe manage --inject`` on host 0, one torchrun stage on each of hosts 1, 2;
     the manager's summary."""
     manager_host, head, other = bed.hosts
-    manager = manager_host.popen(
-        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--inject", str(scenario),
-         "--bind", manager_host.address, "--no-progress", "--json", "--wait-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    manager = start_manager(manager_host, run, "--inject", str(scenario))
     procs: list[subprocess.Popen[bytes]] = [manager]
     try:
-        deadline = time.monotonic() + 60
-        while read_manager(run) is None and time.monotonic() < deadline:
-            assert manager.poll() is None, manager.communicate()[1].decode()[-2000:]
-            time.sleep(0.05)
-        procs += [_torchrun(head, 0, head, run.root), _torchrun(other, 1, head, run.root)]
+        wait_marked(run, manager)
+        procs += [
+            torchrun_stage(head, 0, head, run.root, port=PORT),
+            torchrun_stage(other, 1, head, run.root, port=PORT),
+        ]
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)

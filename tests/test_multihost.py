@@ -10,7 +10,6 @@ process started on it go at the end, whatever happens.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
 import sys
@@ -23,14 +22,14 @@ import torch
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe import netbed
-from adaptipe.netbed import Bed, Host, LinkShape
+from adaptipe.netbed import Bed, LinkShape
 from adaptipe.netbed.system import namespaces
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import prepare, train
-from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
+from tests._bed_runs import start_manager, torchrun_stage, wait_marked
 
 REASON = netbed.available()
 ITERATIONS = 100  # a request made at iteration 5 lands long before the end
@@ -65,20 +64,6 @@ def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
     )
 
 
-def _torchrun(host: Host, node: int, head: Host, run_dir: Path) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head.address}:{PORT}",
-        "--rdzv-conf", f"is_host={int(host is head)}",  # the store lives on the head host
-        "--local-addr", host.address, "--max-restarts", "0",
-        "-m", "adaptipe.runtime.worker", "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": host.interface, "OMP_NUM_THREADS": "1"}
-    log = (run_dir / f"torchrun-{node}.log").open("wb")
-    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 def _wait(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int | None]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
@@ -92,22 +77,17 @@ def test_two_namespace_hosts_with_torchrun_and_a_manager_train_what_one_host_tra
     train(_config(make_config, tmp_path / "one-host"))
     run, _ = prepare(_config(make_config, tmp_path / "hosts"))
     manager_host, head, other = bed.hosts
-    manager = manager_host.popen(
-        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root),
-         "--bind", manager_host.address, "--no-progress", "--json", "--wait-s", "60"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    manager = start_manager(manager_host, run)
     procs: list[subprocess.Popen[bytes]] = [manager]
     try:
-        deadline = time.monotonic() + 60
-        while read_manager(run) is None and time.monotonic() < deadline:
-            assert manager.poll() is None, manager.communicate()[1].decode()[-2000:]
-            time.sleep(0.05)
-        info = read_manager(run)
-        assert info is not None and info.telemetry is not None
+        info = wait_marked(run, manager)
+        assert info.telemetry is not None
         assert info.telemetry.startswith(f"tcp://{manager_host.address}:")
         assert info.curve() is not None  # off loopback: CURVE
-        procs += [_torchrun(head, 0, head, run.root), _torchrun(other, 1, head, run.root)]
+        procs += [
+            torchrun_stage(head, 0, head, run.root, port=PORT),
+            torchrun_stage(other, 1, head, run.root, port=PORT),
+        ]
         asked: list[int] = []
         deadline = time.monotonic() + 120
         while not asked and time.monotonic() < deadline:  # a live request across hosts

@@ -179,12 +179,7 @@ class MemoryManager:
         """Make ``job`` resident for the next block of the order, then prefetch ahead."""
         if not self.enabled:
             return
-        pos = self._clock % self._n
-        if self.order[pos] != job:
-            raise RuntimeError(
-                f"block {pos} of this stage's order is job {self.order[pos]}, but the executor "
-                f"runs job {job} (build the order with block_order(program))"
-            )
+        pos = self._next_block(job, "runs")
         self._awaiting_step.discard(job)
         t0 = time.perf_counter()
         if job in self.resident:
@@ -206,13 +201,18 @@ class MemoryManager:
         The order goes on past it; the next window reorders anyway."""
         if not self.enabled:
             return
+        self._next_block(job, "skips")
+        self._clock += 1
+
+    def _next_block(self, job: int, does: str) -> int:
+        """The position of the order's next block, which must be ``job``'s."""
         pos = self._clock % self._n
         if self.order[pos] != job:
             raise RuntimeError(
                 f"block {pos} of this stage's order is job {self.order[pos]}, but the executor "
-                f"skips job {job}"
+                f"{does} job {job} (build the order with block_order(program))"
             )
-        self._clock += 1
+        return pos
 
     def after_step(self, job: int) -> None:
         """``job``'s optimizer step on this stage is done: it may now be offloaded."""
