@@ -1,101 +1,290 @@
-"""What moving layers costs a running pipeline: stop-and-copy migration against the
-field's baseline (checkpoint, stop the workers, start them again on the new partition).
+"""What moving layers costs a running pipeline: streamed migration (base copy plus
+gradient log, `adaptipe.runtime.streamed`) with and without prioritisation, against
+stop-and-copy, the restart the field uses, and an A/A control.
 
-Model: the zoo GPT of examples/gpt-1f1b.toml (4 blocks + embedding + head = 6 layers,
-d_model 128), Adam, batch 32 in 4 micro-batches, 1F1B over 2 stage processes with one
-thread each. Each method trains the same run with one scripted re-partition
-(``[[adapt.repartition]]``, bounds 0,3,6 -> 0,2,6: one block moves from stage 0 to stage
-1, with its Adam moments). The *stall* is the span of the iteration the switch comes
-before (``metrics.jsonl``: end of that iteration minus end of the one before) less the
-median span of the steady iterations around it. The methods run in alternating rounds,
-and the ratio restart/live is taken within a round (this machine's speed drifts).
-Prints one JSON object. DynPipe reports 5 s against 70 s for a restart (seed 004).
+Each variant is one training run of 1F1B over 2 stage processes (one thread each) with
+``--migrations`` scripted re-partitions back and forth (``[[adapt.repartition]]`` every
+``--every`` iterations, bounds 0,2,L <-> 0,4,L: two GPT blocks change stage each time,
+with their Adam moments). Models (fixed, stated in the output):
 
-    python bench/bench_migration.py [--rounds 2] [--iterations 40] [--at 20]
-        [--methods live,checkpoint,restart]
+- ``gpt``: the zoo GPT of examples/gpt-1f1b.toml (d_model 128; 1.6 MB of parameters
+  and 4.7 MB of state in the two moving blocks), batch 32 in 4 micro-batches;
+- ``gpt-50mb``: d_model 512 (25 MB of parameters, 76 MB of state moving), batch 8 in 4.
+
+Per migration, from ``metrics.jsonl`` (an iteration's span is the end of it less the end
+of the one before, so a boundary's work counts in the iteration after it) and the stage
+logs (``stream_start`` where the workers saw the new partition, ``migration`` where they
+switched):
+
+- *decision to switch*: iterations from the decision (the scripted iteration) to the
+  switch, against the target max(5, 1.5 x bytes / spare bandwidth / iteration time),
+  spare bandwidth being the telemetry's link estimate times the share of an iteration
+  the link is idle;
+- *streaming slowdown*: the median span of the iterations that ran while state streamed
+  (decision to switch) over the median span of the quiet ones before the decision (same
+  partition, two iterations after the previous switch on); pooled over migrations, with
+  a 95% bootstrap interval (migrations resampled);
+- *worst stall*: the largest span in decision..switch less the quiet median.
+
+The A/A control trains without migrations and is measured at the streamed run's
+decision and switch iterations: its slowdown is the noise floor (about 1). Restart runs
+``--restart-migrations`` moves (each stops and starts the workers). Prints one JSON object.
+DynPipe reports 9.8-35.1 iterations from decision to new partition with asynchronous
+checkpoints and 5 s against 70 s for a restart (seed 004).
+
+    python bench/bench_migration.py [--models gpt,gpt-50mb] [--migrations 10]
+        [--every 8] [--variants streamed,unprioritised,stop_and_copy,restart,control]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt": {
+        "model": {"name": "gpt", "config": {"n_layer": 4, "d_model": 128, "n_head": 4}},
+        "data": {"batch_size": 32, "microbatches": 4},
+    },
+    "gpt-50mb": {
+        "model": {"name": "gpt", "config": {"n_layer": 4, "d_model": 512, "n_head": 8}},
+        "data": {"batch_size": 8, "microbatches": 4},
+    },
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "streamed": {"method": "live", "transfer": "streamed", "prioritise": True},
+    "unprioritised": {"method": "live", "transfer": "streamed", "prioritise": False},
+    "stop_and_copy": {"method": "live", "transfer": "stop_and_copy"},
+    "restart": {"method": "restart"},
+    "control": {},
+}
+BOUNDS = ([0, 2, 6], [0, 4, 6])
+WARMUP = 6
 
-def _config(run_dir: Path, *, method: str, iterations: int, at: int) -> RunConfig:
+
+def _config(run_dir: Path, model: str, variant: str, moves: int, every: int) -> RunConfig:
+    scripted = [
+        {"iteration": WARMUP + every * (k + 1), "bounds": BOUNDS[(k + 1) % 2]} for k in range(moves)
+    ]
+    adapt = dict(VARIANTS[variant], timeout_s=120.0)
+    if variant != "control":
+        adapt["repartition"] = scripted
     return RunConfig.from_dict(
         {
-            "model": {"name": "gpt", "config": {"n_layer": 4, "d_model": 128, "n_head": 4}},
-            "data": {"batch_size": 32, "microbatches": 4},
+            **MODELS[model],
             "optimizer": {"name": "adam", "lr": 3e-4},
-            "pipeline": {"stages": 2, "schedule": "1f1b", "partition": [0, 3, 6]},
+            "pipeline": {"stages": 2, "schedule": "1f1b", "partition": BOUNDS[0]},
             "train": {
-                "iterations": iterations,
+                "iterations": WARMUP + every * (moves + 1),
                 "seed": 0,
                 "threads_per_stage": 1,
                 "checkpoint_every": 0,
+                "telemetry": True,
                 "run_dir": str(run_dir),
             },
-            "adapt": {"method": method, "repartition": [{"iteration": at, "bounds": [0, 2, 6]}]},
+            "adapt": adapt,
         },
         source="bench_migration",
     )
 
 
-def _measure(root: Path, method: str, iterations: int, at: int) -> dict[str, Any]:
-    run_dir = root / method
-    summary = train(_config(run_dir, method=method, iterations=iterations, at=at))
-    spans = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        spans[rec["iteration"]] = rec["iteration_s"]
-    steady = [spans[i] for i in range(3, iterations) if abs(i - at) > 2 and i in spans]
-    typical = statistics.median(steady)
-    moved = []
-    control = run_dir / "control.jsonl"
-    if control.exists():
-        for line in control.read_text().splitlines():
-            event = json.loads(line)
-            if event.get("event") == "migration":
-                moved.append({k: event[k] for k in ("ok", "bytes", "seconds")})
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _migrations(run_dir: Path, scripted: Sequence[int]) -> list[dict[str, Any]]:
+    """Per migration: decision and switch iterations, bytes and the manager's seconds."""
+    said = [e for e in _lines(run_dir / "control.jsonl") if e.get("event") == "migration"]
+    out = []
+    for decided, event in zip(scripted, said, strict=False):
+        out.append(
+            {
+                "decided": decided,
+                "switched": event["iteration"],
+                "ok": event["ok"],
+                "transfer": event.get("transfer", "stop_and_copy"),
+                "bytes": event["bytes"],
+                "log_bytes": event.get("log_bytes", 0),
+                "switch_s": event["seconds"],
+                "streamed_s": event.get("streamed_s", 0.0),
+            }
+        )
+    if not said:  # restart: the stage logs say where each restart happened
+        restarts = sorted(
+            {e["iteration"] for s in (0, 1) for e in _stage_events(run_dir, s, "restart")}
+        )
+        out = [
+            {"decided": it, "switched": it, "ok": True, "transfer": "restart"} for it in restarts
+        ]
+    return out
+
+
+def _stage_events(run_dir: Path, stage: int, kind: str) -> list[dict[str, Any]]:
+    found = sorted((run_dir / "stages").glob(f"stage-{stage}*.jsonl")) or sorted(
+        run_dir.glob(f"**/stage-{stage}.jsonl")
+    )
+    return [e for path in found for e in _lines(path) if e.get("event") == kind]
+
+
+def _spare_bandwidth(run_dir: Path) -> float | None:
+    """The telemetry's smoothed 0 -> 1 link bandwidth times its idle share (bytes/s)."""
+    samples = [
+        r
+        for r in _lines(run_dir / "telemetry.jsonl")
+        if r.get("type") == "link_sample" and r.get("src") == 0
+    ]
+    stats = [r for r in _lines(run_dir / "telemetry.jsonl") if r.get("type") == "stage_stats"]
+    if not samples or not stats:
+        return None
+    bandwidth = statistics.median(r["bandwidth_Bps"] for r in samples)
+    busy = statistics.median(
+        min(r["comm_s"] / r["iteration_s"], 1.0) for r in stats if r["iteration_s"] > 0
+    )
+    return bandwidth * max(1.0 - busy, 0.05)
+
+
+def _windows(spans: dict[int, float], moves: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per migration: the spans of its streaming iterations and of the quiet ones before."""
+    out, after = [], WARMUP
+    for m in moves:
+        d, s = m["decided"], m["switched"]
+        quiet = [spans[i] for i in range(after, d) if i in spans]
+        streaming = [spans[i] for i in range(d, s) if i in spans]
+        switch = spans.get(s)
+        out.append({"quiet": quiet, "streaming": streaming, "switch": switch})
+        after = s + 2
+    return out
+
+
+def _ratio(windows: Sequence[dict[str, Any]]) -> float | None:
+    streaming = [x for w in windows for x in w["streaming"]]
+    quiet = [x for w in windows for x in w["quiet"]]
+    if not streaming or not quiet:
+        return None
+    return statistics.median(streaming) / statistics.median(quiet)
+
+
+def _bootstrap(windows: Sequence[dict[str, Any]], draws: int = 2000) -> list[float] | None:
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        pick = [rng.choice(windows) for _ in windows]
+        r = _ratio(pick)
+        if r is not None:
+            ratios.append(r)
+    if len(ratios) < draws // 2:
+        return None
+    ratios.sort()
+    return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
+
+
+def _summarise(
+    run_dir: Path, moves: list[dict[str, Any]], spans: dict[int, float]
+) -> dict[str, Any]:
+    windows = _windows(spans, moves)
+    quiet_all = [x for w in windows for x in w["quiet"]]
+    typical = statistics.median(quiet_all) if quiet_all else None
+    stalls = [
+        max([*w["streaming"], w["switch"] or 0.0]) - statistics.median(w["quiet"])
+        for w in windows
+        if w["quiet"]
+    ]
+    spare = _spare_bandwidth(run_dir)
+    for m in moves:
+        m["iterations_to_switch"] = m["switched"] - m["decided"]
+        if spare and typical and m.get("bytes"):
+            m["target_iterations"] = max(5.0, 1.5 * m["bytes"] / spare / typical)
     return {
-        "iteration_s": typical,
-        "switch_iteration_s": spans[at],
-        "stall_s": spans[at] - typical,
-        "stall_iterations": (spans[at] - typical) / typical,
-        "migration": moved,
-        "wall_s": summary.wall_s,
+        "quiet_iteration_s": typical,
+        "streaming_slowdown": _ratio(windows),
+        "streaming_slowdown_95": _bootstrap(windows),
+        "worst_stall_s": max(stalls) if stalls else None,
+        "median_switch_span_s": statistics.median(
+            w["switch"] for w in windows if w["switch"] is not None
+        )
+        if windows
+        else None,
+        "spare_bandwidth_Bps": spare,
+        "iterations_to_switch": [m["iterations_to_switch"] for m in moves],
+        "within_target": all(
+            m["iterations_to_switch"] <= m["target_iterations"]
+            for m in moves
+            if "target_iterations" in m
+        ),
+        "migrations": moves,
     }
+
+
+def _spans(run_dir: Path) -> dict[int, float]:
+    return {r["iteration"]: r["iteration_s"] for r in _lines(run_dir / "metrics.jsonl")}
+
+
+def measure(
+    root: Path, model: str, variants: Sequence[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    streamed_moves: list[dict[str, Any]] | None = None
+    for variant in variants:
+        moves = args.restart_migrations if variant == "restart" else args.migrations
+        run_dir = root / f"{model}-{variant}"
+        train(_config(run_dir, model, variant, moves, args.every))
+        scripted = [WARMUP + args.every * (k + 1) for k in range(moves)]
+        if variant == "control":
+            if streamed_moves is None:
+                continue  # measured at the streamed run's iterations
+            found = [dict(decided=m["decided"], switched=m["switched"]) for m in streamed_moves]
+            summary = _summarise(run_dir, found, _spans(run_dir))
+            summary.pop("within_target")
+        else:
+            found = _migrations(run_dir, scripted)
+            summary = _summarise(run_dir, found, _spans(run_dir))
+            if variant == "streamed":
+                streamed_moves = found
+        out[variant] = summary
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=40)
-    parser.add_argument("--at", type=int, default=20)
-    parser.add_argument("--methods", default="live,checkpoint,restart")
+    parser.add_argument("--models", default="gpt,gpt-50mb")
+    parser.add_argument("--migrations", type=int, default=10)
+    parser.add_argument("--restart-migrations", type=int, default=3)
+    parser.add_argument("--every", type=int, default=8)
+    parser.add_argument(
+        "--variants", default="streamed,unprioritised,stop_and_copy,restart,control"
+    )
     args = parser.parse_args()
-    methods = args.methods.split(",")
-    rounds: list[dict[str, Any]] = []
+    variants = args.variants.split(",")
+    if "control" in variants:  # measured after the streamed run, at its iterations
+        variants = [v for v in variants if v != "control"] + ["control"]
+    results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds):
-            row = {m: _measure(Path(tmp) / f"r{r}", m, args.iterations, args.at) for m in methods}
-            if "live" in row and "restart" in row:
-                row["restart_over_live_stall"] = row["restart"]["stall_s"] / max(
-                    row["live"]["stall_s"], 1e-9
-                )
-            rounds.append(row)
-    out: dict[str, Any] = {
-        "model": "gpt n_layer=4 d_model=128 (6 pipeline layers), 2 stages, 1F1B, batch 32/4",
-        "move": f"bounds 0,3,6 -> 0,2,6 at iteration {args.at}",
-        "rounds": rounds,
-        "median_stall_s": {m: statistics.median(r[m]["stall_s"] for r in rounds) for m in methods},
+        for model in args.models.split(","):
+            results[model] = measure(Path(tmp), model, variants, args)
+    out = {
+        "setup": {
+            "models": {m: MODELS[m] for m in args.models.split(",")},
+            "pipeline": "2 stages, 1F1B, Adam, one thread per stage, loopback",
+            "moves": f"bounds {BOUNDS[0]} <-> {BOUNDS[1]} every {args.every} iterations "
+            f"after {WARMUP}, {args.migrations} times ({args.restart_migrations} for restart)",
+            "variants": {v: VARIANTS[v] for v in variants},
+            "load": os.getloadavg(),
+        },
+        "targets": {
+            "iterations_to_switch": "<= max(5, 1.5 x bytes / spare bandwidth / iteration)",
+            "streaming_slowdown": "< 1.05 with prioritisation on",
+        },
+        "results": results,
     }
     print(json.dumps(out, indent=2))
 

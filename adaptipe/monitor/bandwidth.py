@@ -373,6 +373,11 @@ class LinkTimer:
             out.append(meter.sample(nbytes, busy_s))
         return out
 
+    def bandwidth_Bps(self, dst: int) -> float:
+        """The link to ``dst``'s smoothed bandwidth so far (0 before it was measured)."""
+        meter = self._meters.get(dst)
+        return meter.bandwidth_Bps if meter is not None else 0.0
+
     def close(self, timeout_s: float = 1.0) -> bool:
         """Stop every watcher; False if one is still inside a ``wait()``."""
         return all([w.close(timeout_s) for w in self._watchers.values()])

@@ -9,6 +9,13 @@
                              # restart: checkpoint, stop the workers, start them again
                              # on the new partition (the field's baseline)
     timeout_s = 60           # a migration message later than this fails the migration
+                             # (a streamed one: the whole move, first boundary to switch)
+    transfer = "auto"        # live moves: stop_and_copy (the state crosses at one
+                             # boundary), streamed (base copy + gradient log while
+                             # training goes on, `adaptipe.runtime.streamed`), auto (the
+                             # cost model's crossover, `adaptipe.sim.migration`)
+    prioritise = true        # streamed state yields to activations and gradients
+    chunk_bytes = 262144     # streamed state travels in chunks of this size
 
     [[adapt.repartition]]    # scripted: from iteration 10 on, layers 0-2 | 3-7
     iteration = 10
@@ -26,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from adaptipe.errors import PlanError
-from adaptipe.serial import get_float, get_int, get_list, get_str
+from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str
 
-__all__ = ["METHODS", "AdaptSection", "Repartition", "parse_adapt"]
+__all__ = ["METHODS", "TRANSFERS", "AdaptSection", "Repartition", "parse_adapt"]
 
 METHODS = ("live", "checkpoint", "restart")
+TRANSFERS = ("auto", "stop_and_copy", "streamed")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,12 +53,18 @@ class Repartition:
 class AdaptSection:
     method: str = "live"
     timeout_s: float = 60.0
+    transfer: str = "auto"
+    prioritise: bool = True
+    chunk_bytes: int = 256 << 10
     repartition: tuple[Repartition, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
             "timeout_s": self.timeout_s,
+            "transfer": self.transfer,
+            "prioritise": self.prioritise,
+            "chunk_bytes": self.chunk_bytes,
             "repartition": [
                 {"iteration": r.iteration, "bounds": list(r.bounds)} for r in self.repartition
             ],
@@ -63,7 +77,7 @@ def parse_adapt(
     """Read ``[adapt]``; every error names the file, the field and what is allowed."""
     if not isinstance(raw, Mapping):
         raise PlanError(f"{source}: [adapt] must be a table (got {type(raw).__name__})")
-    allowed = ("method", "timeout_s", "repartition")
+    allowed = ("method", "timeout_s", "transfer", "prioritise", "chunk_bytes", "repartition")
     for key in raw:
         if key not in allowed:
             raise PlanError(
@@ -75,6 +89,13 @@ def parse_adapt(
     timeout = get_float(raw, "timeout_s", source=source, prefix="[adapt].", default=60.0)
     if timeout <= 0:
         raise PlanError(f"{source}: [adapt].timeout_s must be > 0 (got {timeout:g})")
+    transfer = get_str(
+        raw, "transfer", source=source, prefix="[adapt].", choices=TRANSFERS, default="auto"
+    )
+    prioritise = get_bool(raw, "prioritise", source=source, prefix="[adapt].", default=True)
+    chunk = get_int(
+        raw, "chunk_bytes", source=source, prefix="[adapt].", minimum=4096, default=256 << 10
+    )
     entries = get_list(raw, "repartition", source=source, prefix="[adapt].", default=[])
     out: list[Repartition] = []
     for n, entry in enumerate(entries):
@@ -83,7 +104,14 @@ def parse_adapt(
     its = [r.iteration for r in out]
     if its != sorted(set(its)):
         raise PlanError(f"{source}: [[adapt.repartition]] iterations must increase (got {its})")
-    return AdaptSection(method=method, timeout_s=timeout, repartition=tuple(out))
+    return AdaptSection(
+        method=method,
+        timeout_s=timeout,
+        transfer=transfer,
+        prioritise=prioritise,
+        chunk_bytes=chunk,
+        repartition=tuple(out),
+    )
 
 
 def _repartition(

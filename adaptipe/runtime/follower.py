@@ -59,6 +59,7 @@ class PlanFollower:
         self.wait_s, self.poll_s = wait_s, poll_s
         self.active: PlanVersion | None = None
         self._previous: PlanVersion | None = None
+        self._proposed: PlanVersion | None = None
         # Switches made before (a resumed run replays them); rank 0 adds new ones.
         self.history = adoptions(run)
         self.scripted = {r.iteration: r.bounds for r in config.adapt.repartition}
@@ -69,6 +70,35 @@ class PlanFollower:
         return {it for it in [*self.history.values(), *self.scripted] if it > start}
 
     def at_boundary(self, iteration: int) -> PlanVersion | None:
+        proposed = self.propose(iteration)
+        if proposed is not None:
+            self.take(proposed, iteration)
+        return proposed
+
+    def propose(self, iteration: int) -> PlanVersion | None:
+        """The version every worker agrees is the newest at ``iteration``, when it is not
+        the one in force; nothing is recorded until `take` (a streamed migration proposes
+        at every boundary until the layers have crossed, then takes)."""
+        version = self._agree(iteration)
+        if self.active is not None and version == self.active.version:
+            return None
+        if self._proposed is None or self._proposed.version != version:
+            self._proposed = read_active(self.run, version, self.config)
+        return self._proposed
+
+    def take(self, plan: PlanVersion, iteration: int) -> None:
+        """``plan`` (from `propose`) is in force from ``iteration`` on (rank 0 records it)."""
+        if self.rank == 0 and plan.version > 0 and plan.version not in self.history:
+            record_adoption(self.run, plan.version, iteration)
+            self.history[plan.version] = iteration
+        self._previous, self.active = self.active, plan
+
+    def replaying(self, plan: PlanVersion) -> bool:
+        """Whether ``plan`` came into force before (a resumed run replays its switch at
+        the recorded iteration; every worker read the same history at start)."""
+        return plan.version in self.history
+
+    def _agree(self, iteration: int) -> int:
         import torch
         import torch.distributed as dist
 
@@ -91,14 +121,7 @@ class PlanFollower:
         box = torch.tensor([version], dtype=torch.int64, device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(box, src=0, group=self.group)
-        version = int(box.item())
-        if self.active is not None and version == self.active.version:
-            return None
-        if self.rank == 0 and version > 0 and version not in self.history:
-            record_adoption(self.run, version, iteration)
-            self.history[version] = iteration
-        self._previous, self.active = self.active, read_active(self.run, version, self.config)
-        return self.active
+        return int(box.item())
 
     def pending(self) -> bool:
         """Rank 0: a version newer than any in force or recorded has been committed (the

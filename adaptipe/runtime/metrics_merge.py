@@ -38,7 +38,8 @@ class MetricsFollower:
 
     def migrations(self) -> list[dict[str, Any]]:
         """The migrations every stage has reported since the last call, one event each
-        (iteration, bounds, ok, moves, bytes, the slowest stage's seconds, causes)."""
+        (iteration, bounds, ok, moves, bytes, the slowest stage's seconds, causes; for a
+        streamed move the boundaries and seconds it streamed and its gradient log's bytes)."""
         out = []
         for it in sorted(self._migrations):
             by_stage = self._migrations[it]
@@ -56,6 +57,12 @@ class MetricsFollower:
                     "bytes": sum(int(e.get("bytes_received", 0)) for e in events),
                     "seconds": max(float(e.get("seconds", 0.0)) for e in events),
                     "causes": sorted({e["cause"] for e in events if e.get("cause")}),
+                    "transfer": events[0].get("transfer", "stop_and_copy"),
+                    "streamed_iterations": max(
+                        int(e.get("streamed_iterations", 0)) for e in events
+                    ),
+                    "streamed_s": max(float(e.get("streamed_s", 0.0)) for e in events),
+                    "log_bytes": sum(int(e.get("log_bytes", 0)) for e in events),
                 }
             )
         return out

@@ -76,9 +76,24 @@ class MigrationReport:
     bytes_received: int = 0
     seconds: float = 0.0
     layers: list[list[int]] = field(default_factory=list)  # per chunk, after
+    transfer: str = "stop_and_copy"  # or "streamed" (`adaptipe.runtime.streamed`)
+    # streamed only: boundaries and seconds from the first boundary to the switch, the
+    # gradient log's share of the bytes, chunks sent, seconds spent yielding to the
+    # stage's own sends (``seconds`` is then the stall at the switch)
+    streamed_iterations: int = 0
+    streamed_s: float = 0.0
+    log_bytes: int = 0
+    chunks: int = 0
+    yielded_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "transfer": self.transfer,
+            "streamed_iterations": self.streamed_iterations,
+            "streamed_s": self.streamed_s,
+            "log_bytes": self.log_bytes,
+            "chunks": self.chunks,
+            "yielded_s": self.yielded_s,
             "ok": self.ok,
             "moves": [{"layers": list(m.layers), "src": m.src, "dst": m.dst} for m in self.moves],
             "cause": self.cause,

@@ -146,6 +146,9 @@ class StageExecutor:
         self._layer_bwd: dict[int, float] = {}
         # Injected interference: compute takes `slowdown` times as long (1.0 = none).
         self.slowdown = 1.0
+        # Called with (step, slots) just before each optimizer step: a streamed migration
+        # logs the gradients of the layers on their way out (`adaptipe.runtime.streamed`).
+        self.step_tap: Callable[[int, list[LayerSlot]], None] | None = None
         # Set by the worker for the iterations it traces ([train] trace_iterations).
         self.trace: TraceRecorder | None = None
         self._versions_after = self._versions_needed_after() if self.versioned else []
@@ -475,6 +478,8 @@ class StageExecutor:
     def _step(self, pos: int, base: int) -> None:
         if self.versioned and (self.steps_done - base) in self._versions_after[pos]:
             self._snapshot(self.steps_done)  # a later micro-batch still computes with it
+        if self.step_tap is not None:
+            self.step_tap(self.steps_done, list(self.slots()))
         for chunk in self.chunks:
             for slot in chunk:
                 if slot.optimizer is not None:

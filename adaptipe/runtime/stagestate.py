@@ -38,7 +38,7 @@ from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, Transport
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["End", "Stage", "build_stage", "payload_layers"]
+__all__ = ["End", "Stage", "build_stage", "pack_payload", "payload_layers"]
 
 End = Literal["first", "last"]
 _KIND = "adaptipe.layer_slots"
@@ -71,6 +71,7 @@ class Stage:
         self.executor: StageExecutor | None = None
         self._resumed_steps = 0  # steps done before this process (a resumed run)
         self._memory_layers: list[int] = []  # the layers the memory manager was built for
+        self._step_tap: Callable[[int, list[LayerSlot]], None] | None = None
 
     # ------------------------------------------------------------------ state
     def layers(self) -> list[int]:
@@ -178,12 +179,19 @@ class Stage:
         if missing:
             raise PlanError(f"stage {self.rank}: does not hold layers {missing}")
         self._settle_memory()
-        return _pack(self.tensors(indices), indices, self._num_jobs())
+        return pack_payload(self.tensors(indices), indices, self._num_jobs())
 
-    def reshape(self, layer_lists: Sequence[Sequence[int]], tensors: Mapping[str, Tensor]) -> None:
+    def reshape(
+        self,
+        layer_lists: Sequence[Sequence[int]],
+        tensors: Mapping[str, Tensor],
+        *,
+        built: Mapping[int, LayerSlot] | None = None,
+    ) -> None:
         """Hold ``layer_lists`` (per local chunk, in model order) from now on: layers kept
         keep their slots (also from another local chunk), layers not held before are
-        built and loaded from ``tensors`` (global keys), the others are dropped."""
+        taken from ``built`` (slots already holding their state, `spare_slots`) or built
+        and loaded from ``tensors`` (global keys), the others are dropped."""
         if len(layer_lists) != len(self.chunks):
             raise PlanError(
                 f"stage {self.rank}: {len(layer_lists)} chunks given, it runs {len(self.chunks)}"
@@ -195,9 +203,25 @@ class Stage:
         lost = [i for i in slots if i not in set(wanted)]
         if self.binder is not None:
             self.binder.remove_layers(lost)
-        slots.update(zip(gained, self._build_slots(gained), strict=True))
+        ready = dict(built or {})
+        if ready and self.binder is not None:
+            raise PlanError(f"stage {self.rank}: a job-array stage builds its own slots")
+        to_build = [i for i in gained if i not in ready]
+        slots.update(ready)
+        slots.update(zip(to_build, self._build_slots(to_build), strict=True))
         self.chunks[:] = [[slots[i] for i in layers] for layers in layer_lists]
-        self.load(tensors, gained)
+        self.load(tensors, to_build)
+
+    def spare_slots(self, layers: Sequence[int], tensors: Mapping[str, Tensor]) -> list[LayerSlot]:
+        """Slots for ``layers`` loaded from ``tensors`` (global keys) that this stage does
+        not hold (yet): a streamed migration's copy of layers on their way here, which it
+        keeps up to date and `reshape` takes over at the switch. One-job stages only."""
+        if self.binder is not None:
+            raise PlanError(f"stage {self.rank}: a job-array stage builds its own slots")
+        slots = self._build_slots(layers)
+        for slot in slots:
+            ckpt.load_layer_state(slot.index, slot.module, slot.optimizer, tensors)
+        return slots
 
     def check(self, layer_lists: Sequence[Sequence[int]]) -> None:
         """Raise `RuntimeError` unless this stage holds exactly ``layer_lists`` (per chunk,
@@ -278,7 +302,15 @@ class Stage:
         elif previous is not executor:
             executor.steps_done = previous.steps_done
             executor.slowdown = previous.slowdown
+        executor.step_tap = self._step_tap
         self.executor = executor
+
+    def tap_steps(self, tap: Callable[[int, list[LayerSlot]], None] | None) -> None:
+        """Call ``tap(step, slots)`` just before every optimizer step from now on (None:
+        stop), whichever executor runs (a streamed migration logs gradients with it)."""
+        self._step_tap = tap
+        if self.executor is not None:
+            self.executor.step_tap = tap
 
     def use_memory(self, memory: MemoryManager | None) -> None:
         """Adopt the memory manager that keeps this stage's job states."""
@@ -343,8 +375,9 @@ def _buffers_to(binder: Binder, layers: Sequence[int], device: torch.device) -> 
                     setattr(module, name, buf.to(device))
 
 
-def _pack(tensors: dict[str, Tensor], layers: list[int], num_jobs: int) -> bytes:
-    meta = {"kind": _KIND, "layers": layers, "jobs": num_jobs}
+def pack_payload(tensors: dict[str, Tensor], layers: Sequence[int], num_jobs: int) -> bytes:
+    """The payload `Stage.pack` makes of ``tensors`` (global keys) of ``layers``."""
+    meta = {"kind": _KIND, "layers": list(layers), "jobs": num_jobs}
     return safetensors.torch.save(tensors, metadata={"adaptipe": json.dumps(meta)})
 
 

@@ -37,7 +37,14 @@ import zmq
 from adaptipe.errors import AdaptipeError
 from adaptipe.monitor.publisher import CurveKeys, check_address
 
-__all__ = ["LOW_PRIORITY_TOS", "StateReceiver", "StateSender", "StreamError", "StreamReport"]
+__all__ = [
+    "LOW_PRIORITY_TOS",
+    "StateReceiver",
+    "StateSender",
+    "StreamError",
+    "StreamReport",
+    "StreamTimeout",
+]
 
 LOW_PRIORITY_TOS = 0x08
 _HEADER = struct.Struct("!QIII32s")  # stream, index, count, total bytes, chunk sha256
@@ -45,6 +52,11 @@ _HEADER = struct.Struct("!QIII32s")  # stream, index, count, total bytes, chunk 
 
 class StreamError(AdaptipeError, RuntimeError):
     """A state stream failed (a chunk's digest, a missing chunk, the deadline)."""
+
+
+class StreamTimeout(StreamError):
+    """A stream was not complete by its deadline (the chunks that came are kept: a later
+    `StateReceiver.receive` of the same stream goes on from them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +99,10 @@ class StateReceiver:
         self._parts: dict[int, dict[int, bytes]] = {}
         self._counts: dict[int, tuple[int, int]] = {}  # stream -> (chunks, total bytes)
 
-    def receive(self, stream: int, *, digest: bytes, timeout_s: float) -> bytes:
+    def receive(self, stream: int, *, digest: bytes | None, timeout_s: float) -> bytes:
         """Stream ``stream`` whole, checked against its SHA-256 ``digest`` (sent ahead on
-        the control path); `StreamError` on a bad chunk or by ``timeout_s``."""
+        the control path; None: the caller checks the payload, every chunk is checked
+        here); `StreamError` on a bad chunk, `StreamTimeout` by ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while not self._complete(stream):
             left = deadline - time.monotonic()
@@ -97,7 +110,7 @@ class StateReceiver:
                 if time.monotonic() >= deadline:
                     got = len(self._parts.get(stream, {}))
                     want = self._counts.get(stream, (0, 0))[0]
-                    raise StreamError(
+                    raise StreamTimeout(
                         f"stream {stream}: {got} of {want or '?'} chunks in {timeout_s} s"
                     )
                 continue
@@ -105,7 +118,9 @@ class StateReceiver:
         chunks, total = self._counts.pop(stream)
         parts = self._parts.pop(stream)
         payload = b"".join(parts[i] for i in range(chunks))
-        if len(payload) != total or hashlib.sha256(payload).digest() != digest:
+        if len(payload) != total or (
+            digest is not None and hashlib.sha256(payload).digest() != digest
+        ):
             raise StreamError(f"stream {stream}: the payload does not match its digest")
         return payload
 

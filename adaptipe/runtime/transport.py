@@ -314,6 +314,10 @@ class P2PTransport:
         """
         return self._links.samples() if self._links is not None else []
 
+    def bandwidth_Bps(self, dst: int) -> float:
+        """The smoothed bandwidth measured to ``dst`` (0 when not measured)."""
+        return self._links.bandwidth_Bps(dst) if self._links is not None else 0.0
+
     def close(self) -> None:
         """Stop the link watchers (a watcher stuck in a dead peer's wait is a daemon)."""
         if self._links is not None:

@@ -61,6 +61,7 @@ from adaptipe.runtime.hooks import (
 from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.migration import layers_of, migrate
+from adaptipe.runtime.plan_switch import PlanSwitch
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.records import done_record, iteration_record, log
 from adaptipe.runtime.rundir import RunDir
@@ -135,6 +136,7 @@ class _Worker:
     follower: PlanFollower
     holds: tuple[bool, bool]  # (first virtual stage, last virtual stage)
     cut: WindowCut | None = None  # job-arrays: ends a window when a plan comes mid-way
+    switch: PlanSwitch | None = None  # set up in `setup`
     active: set[int] = field(default_factory=set)
 
     @property
@@ -229,6 +231,9 @@ class _Worker:
             cut=cut,
             active=set(range(len(jobs))),
         )
+        worker.switch = PlanSwitch(
+            config=config, follower=follower, stage=stage, transport=transport, start=start
+        )
         worker.handshake()
         return worker
 
@@ -241,6 +246,8 @@ class _Worker:
             for hook in hooks:
                 cleanup.callback(hook.close)
             cleanup.callback(self.transport.close)  # first: a stuck link watcher must not hold us
+            if self.switch is not None:
+                cleanup.callback(self.switch.close)  # a streamed move still in flight
             cleanup.callback(_close_memory, stage)  # its copy thread (the one in use then)
             ready = {"event": "ready", "stage": rank, "pid": os.getpid(), "threads": threads}
             log(fh, {**ready, "device": str(stage.device), "start": self.start})
@@ -250,7 +257,9 @@ class _Worker:
                 begun = time.time()
                 for hook in hooks:
                     hook.before_boundary(it)
-                switched = self.follower.at_boundary(it)
+                assert self.switch is not None
+                schedule = self.windows.schedule()
+                switched = self.switch.at(it, self.partition, schedule, lambda e: log(fh, e))
                 if switched is not None:
                     self.adopt(switched, it, fh)
                 stop = window_end(config, it, self.total, self.windows.length(), edges)
@@ -270,6 +279,7 @@ class _Worker:
                     feed.finish(upto=stop - it)
                 epoch += 1
                 window = Window(it, stop, window.executor, begun, time.time(), stats, plan)
+                self.switch.last, self.switch.last_rounds = stats, window.rounds
                 self.record(window, fh)
                 for hook in hooks:
                     hook.after_window(window)
@@ -322,7 +332,13 @@ class _Worker:
                 log(fh, {"event": "checkpoint", "stage": rank, "iteration": it})
             log(fh, {"event": "restart", **event})
             raise RestartForPlan(f"restarting at iteration {it} to hold {partition.bounds}")
-        if method == "live":
+        streaming = self.switch.take_streaming() if self.switch is not None else None
+        if method == "live" and streaming is not None:
+            report = streaming.switch(layers_of(partition, self.windows.schedule(), rank))
+            log(fh, {"event": "migration", **event, **report.to_json()})
+            if not report.ok:
+                return False
+        elif method == "live":
             report = migrate(
                 self.stage,
                 old=self.partition,

@@ -17,7 +17,10 @@ from typing import Any
 
 from adaptipe.errors import PlanError
 
-__all__ = ["MigrationCost", "moved_layers"]
+__all__ = ["UNMEASURED_BPS", "MigrationCost", "choose_transfer", "moved_layers"]
+
+UNMEASURED_BPS = 1e9
+"""A link no telemetry measured is priced at 1 GB/s (about loopback gloo's here)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,6 +33,11 @@ class MigrationCost:
 
     fixed_s: float = 0.015
     efficiency: float = 1.0  # share of the link's bandwidth a move achieves
+    # A streamed move (`adaptipe.runtime.streamed`) stalls the switch for its last
+    # logged step: ``stream_fixed_s + log_bytes / (efficiency x bandwidth)``; it can
+    # only catch up when the log takes at most ``log_share`` of the spare bandwidth.
+    stream_fixed_s: float = 0.03
+    log_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not (self.fixed_s >= 0 and math.isfinite(self.fixed_s)):
@@ -44,6 +52,12 @@ class MigrationCost:
         if not bandwidth_Bps > 0:
             raise PlanError(f"bandwidth must be > 0 (got {bandwidth_Bps})")
         return self.fixed_s + nbytes / (self.efficiency * bandwidth_Bps)
+
+    def streamed_stall_s(self, log_bytes: int, bandwidth_Bps: float) -> float:
+        """The seconds a streamed move's switch stalls training (its last logged step)."""
+        if not bandwidth_Bps > 0:
+            raise PlanError(f"bandwidth must be > 0 (got {bandwidth_Bps})")
+        return self.stream_fixed_s + log_bytes / (self.efficiency * bandwidth_Bps)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float, float]]) -> MigrationCost:
@@ -63,7 +77,36 @@ class MigrationCost:
         return cls(fixed_s=max(my - slope * mx, 0.0), efficiency=1.0 / slope)
 
     def to_json(self) -> dict[str, Any]:
-        return {"fixed_s": self.fixed_s, "efficiency": self.efficiency}
+        return {
+            "fixed_s": self.fixed_s,
+            "efficiency": self.efficiency,
+            "stream_fixed_s": self.stream_fixed_s,
+            "log_share": self.log_share,
+        }
+
+
+def choose_transfer(
+    cost: MigrationCost,
+    *,
+    state_bytes: int,
+    log_bytes: int,
+    bandwidth_Bps: float,
+    iteration_s: float,
+    comm_share: float,
+) -> str:
+    """``"streamed"`` or ``"stop_and_copy"`` for a move of ``state_bytes`` whose gradient
+    log is ``log_bytes`` a step, over a link of ``bandwidth_Bps`` that the pipeline's own
+    traffic keeps busy ``comm_share`` of an ``iteration_s`` iteration: streamed when the
+    log keeps up within the spare bandwidth and its switch stalls less than copying the
+    whole state at the boundary."""
+    if state_bytes <= 0 or not bandwidth_Bps > 0:
+        return "stop_and_copy"
+    spare = bandwidth_Bps * max(1.0 - comm_share, 0.05)
+    fits = log_bytes <= cost.log_share * spare * iteration_s
+    faster = cost.streamed_stall_s(log_bytes, bandwidth_Bps) < cost.stall_s(
+        state_bytes, bandwidth_Bps
+    )
+    return "streamed" if fits and faster else "stop_and_copy"
 
 
 def moved_layers(old: Sequence[int], new: Sequence[int]) -> list[int]:

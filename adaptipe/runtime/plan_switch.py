@@ -1,0 +1,130 @@
+"""Which plan version a worker adopts at a boundary, and when a streamed move switches.
+
+Most versions are adopted where the workers first agree on them (`PlanFollower`). A
+version whose partition moves layers *streamed* (`adaptipe.runtime.streamed`) is
+proposed at that boundary but adopted only once its layers have crossed: until then
+training goes on on the partition in force, and the version is recorded (and replayed
+by a resumed run) where the switch happened. Whether a move streams is one answer on
+every worker: the config's ``[adapt] transfer``, and for ``"auto"`` the minimum of every
+sender's vote on the crossover rule (`adaptipe.runtime.streamed.vote`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from adaptipe.plan.partition import Partition
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.follower import PlanFollower
+from adaptipe.runtime.iteration_stats import IterationStats
+from adaptipe.runtime.migration import plan_moves
+from adaptipe.runtime.planversion import PlanVersion
+from adaptipe.runtime.stagestate import Stage
+from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings, vote
+from adaptipe.runtime.transport import P2PTransport
+from adaptipe.schedule.types import Schedule
+
+__all__ = ["PlanSwitch"]
+
+Log = Callable[[dict[str, Any]], None]
+
+
+@dataclass(slots=True, kw_only=True)
+class PlanSwitch:
+    """A worker's view of plan changes at boundaries (see the module doc)."""
+
+    config: RunConfig
+    follower: PlanFollower
+    stage: Stage
+    transport: P2PTransport
+    start: int  # the first boundary of this process (a fresh start or a resume)
+    streaming: StreamedMove | None = None  # a streamed migration in flight
+    last: IterationStats | None = None  # the last window's measurements
+    last_rounds: int = 1
+
+    def at(self, it: int, partition: Partition, schedule: Schedule, log: Log) -> PlanVersion | None:
+        """The version to adopt at boundary ``it`` (every worker), or None; ``partition``
+        and ``schedule`` are the ones in force."""
+        proposed = self.follower.propose(it)
+        streaming = self.streaming
+        rank = self.stage.rank
+        if streaming is not None:
+            if proposed is not None and proposed.version == streaming.version:
+                if streaming.boundary() == WAIT:
+                    return None
+            else:  # superseded by a newer version: that one moves by stop-and-copy
+                streaming.close()
+                self.streaming = None
+                log({"event": "stream_dropped", "stage": rank, "iteration": it,
+                     "version": streaming.version})  # fmt: skip
+        elif proposed is not None and self._streams(proposed, it, partition, schedule):
+            assert proposed.partition is not None
+            self.streaming = self._start(proposed, partition, schedule)
+            log({"event": "stream_start", "stage": rank, "iteration": it,
+                 "version": proposed.version, "bounds": list(proposed.partition.bounds)})  # fmt: skip
+            return None
+        if proposed is not None:
+            self.follower.take(proposed, it)
+        return proposed
+
+    def take_streaming(self) -> StreamedMove | None:
+        """The streamed move whose version is being adopted now (None: stop-and-copy)."""
+        streaming, self.streaming = self.streaming, None
+        return streaming
+
+    def close(self) -> None:
+        if self.streaming is not None:
+            self.streaming.close(wait=True)
+            self.streaming = None
+
+    def _streams(
+        self, plan: PlanVersion, it: int, partition: Partition, schedule: Schedule
+    ) -> bool:
+        adapt = self.config.adapt
+        if (
+            plan.partition is None
+            or plan.partition.bounds == partition.bounds
+            or adapt.method != "live"
+            or adapt.transfer == "stop_and_copy"
+            or it == self.start
+            or self.follower.replaying(plan)  # the switch replays where it happened
+            or self.config.sweep is not None
+            or schedule.weights != "sync"
+        ):
+            return False
+        if adapt.transfer == "streamed":
+            return True
+        stats = self.last
+        mine = vote(
+            self.stage,
+            plan_moves(partition, plan.partition, schedule),
+            bandwidth_Bps=self.transport.bandwidth_Bps,
+            iteration_s=stats.iteration_s / self.last_rounds if stats else 0.0,
+            comm_share=stats.comm_s / stats.iteration_s if stats and stats.iteration_s else 0.0,
+        )
+        box = torch.tensor([mine], dtype=torch.int64, device=self.follower.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.follower.group)
+        return int(box.item()) == 1
+
+    def _start(self, plan: PlanVersion, partition: Partition, schedule: Schedule) -> StreamedMove:
+        assert plan.partition is not None
+        adapt = self.config.adapt
+        return StreamedMove(
+            self.stage,
+            plan_moves(partition, plan.partition, schedule),
+            version=plan.version,
+            settings=StreamSettings(
+                chunk_bytes=adapt.chunk_bytes,
+                prioritise=adapt.prioritise,
+                timeout_s=adapt.timeout_s,
+            ),
+            busy=self.transport.sending,
+            group=self.follower.group,
+            device=self.follower.device,
+        )

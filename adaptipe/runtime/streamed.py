@@ -1,0 +1,474 @@
+"""Live migration with the state streamed while training goes on (migration part 2).
+
+Stop-and-copy (`adaptipe.runtime.migration`) moves a layer's whole state at one boundary,
+and training waits for it. Here the state crosses while the old partition trains on:
+
+1. at the boundary where the workers first see the new partition, each sending worker
+   snapshots its outgoing layers (parameters, optimizer state with the step count,
+   buffers: what stop-and-copy sends) and streams them on a `statestream` channel, at
+   low priority; the receiver builds the layers from them beside its own
+   (`Stage.spare_slots`): the *base copy*;
+2. from then on every optimizer step of the sender also logs the outgoing layers'
+   gradients and buffers on that channel, and the receiver replays each step on its
+   copy, in order, with the same optimizer: the copy follows the original bit for bit
+   (the *gradient log*);
+3. at every boundary the workers agree (one all-reduce on the CPU group) whether each
+   receiver is at most one step behind; once so, each receiver waits for its last step
+   (on its way since the sender's step), replays it, the workers agree once more, and
+   the layers change owner as in stop-and-copy: the sender drops them, the receiver
+   takes its copy.
+
+Any failure before the switch (a chunk's checksum, a sender's error, the whole move
+taking longer than ``timeout_s``) is a non-event, as in stop-and-copy: the copies are
+dropped and training goes on on the old partition.
+
+The replay is exact because the receiver runs the sender's own update: the same
+optimizer class and settings on the same state, fed the gradients the sender stepped
+with. That holds for one-job runs with synchronous schedules (an asynchronous schedule
+keeps weight versions per micro-batch; a job-array keeps its job states in the binder
+and the memory manager); those move by stop-and-copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import ipaddress
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, MigrationReport, Move
+from adaptipe.runtime.slots import LayerSlot
+from adaptipe.runtime.stagestate import Stage, pack_payload, payload_layers
+from adaptipe.runtime.statestream import (
+    StateReceiver,
+    StateSender,
+    StreamError,
+    StreamTimeout,
+)
+from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer
+
+__all__ = ["FAILED", "READY", "WAIT", "StreamSettings", "StreamedMove", "vote"]
+
+READY, WAIT, FAILED = 1, 0, -1
+_PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
+_ADDRESS_BYTES = 192
+_BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stays bounded)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSettings:
+    """``chunk_bytes``: the state channel's chunk; ``prioritise``: yield to the stage's
+    sends, TOS 0x08, idle I/O thread (off only to measure what it buys); ``timeout_s``:
+    the whole move, from the first boundary to the switch."""
+
+    chunk_bytes: int = 256 << 10
+    prioritise: bool = True
+    timeout_s: float = 60.0
+
+
+class StreamedMove:
+    """One streamed migration in flight on this worker (every worker builds one at the
+    same boundary; see the module doc). ``moves``: every move of the migration, this
+    worker's among them; ``group``/``device``: where the agreements run (a CPU group)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        moves: Sequence[Move],
+        *,
+        version: int,
+        settings: StreamSettings,
+        busy: Callable[[], bool],
+        group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if len(moves) > _PER_STEP:
+            raise ValueError(f"{len(moves)} moves in one migration (at most {_PER_STEP})")
+        rank = stage.rank
+        self.stage, self.moves, self.version, self.settings = stage, list(moves), version, settings
+        self.group, self.device = group, device if device is not None else torch.device("cpu")
+        self.outgoing = [(k, m) for k, m in enumerate(self.moves) if m.src == rank]
+        self.incoming = [(k, m) for k, m in enumerate(self.moves) if m.dst == rank]
+        self.base_step = stage.steps_done
+        self.boundaries = 0  # boundaries passed while streaming
+        self.started = time.monotonic()
+        self._fault = _fault(rank)
+        self._error = ""
+        self._status = WAIT
+        self._copies: dict[int, LayerSlot] = {}
+        self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
+        self._sent: dict[str, float] = {"bytes": 0, "chunks": 0, "yielded_s": 0.0, "log_bytes": 0}
+        self._received = 0
+        self._stop = threading.Event()
+        self._inbox: queue.Queue[tuple[int, int, bytes] | str] = queue.Queue()
+        self._outbox: queue.Queue[tuple[int, int, Callable[[], bytes]] | None] = queue.Queue()
+        host = _local_host()
+        loopback = ipaddress.ip_address(host).is_loopback
+        keys = _Keys.generate() if not loopback else None
+        self._receiver = (
+            StateReceiver(f"tcp://{host}:*", curve=keys.server() if keys else None)
+            if self.incoming
+            else None
+        )
+        peers = self._exchange(self._receiver.address if self._receiver else "", keys)
+        self._senders: dict[int, StateSender] = {}
+        for _, move in self.outgoing:
+            if move.dst not in self._senders:
+                address, public = peers[move.dst]
+                self._senders[move.dst] = StateSender(
+                    address,
+                    chunk_bytes=settings.chunk_bytes,
+                    busy=busy,
+                    prioritise=settings.prioritise,
+                    curve=_Keys.client_of(public) if public else None,
+                )
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="migration-send", daemon=True),
+            threading.Thread(target=self._receive_loop, name="migration-receive", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        for k, move in self.outgoing:  # the base copy: a snapshot now, packed on the thread
+            snapshot = stage.tensors(move.layers)
+            self._outbox.put(
+                (k, move.dst, functools.partial(pack_payload, snapshot, move.layers, 0))
+            )
+        if self.outgoing:
+            stage.tap_steps(self._log_step)
+
+    # ------------------------------------------------------------------ boundaries
+    def boundary(self) -> int:
+        """At a boundary while streaming (every worker): replay what came, then agree on
+        READY (switch now: call `switch`), WAIT or FAILED (call `switch`, which fails)."""
+        self.boundaries += 1
+        self._drain()
+        done = self.stage.steps_done - self.base_step  # steps the receiver must replay
+        mine = READY
+        if self._error or time.monotonic() - self.started > self.settings.timeout_s:
+            mine = FAILED
+            self._error = self._error or f"not moved within {self.settings.timeout_s:g} s"
+        elif any(n < done - 1 for n in self._applied.values()):
+            mine = WAIT
+        self._status = self._agree(mine)
+        return self._status
+
+    def switch(self, layer_lists: Sequence[Sequence[int]]) -> MigrationReport:
+        """Take ``layer_lists`` on (every worker, at the boundary `boundary` said READY or
+        FAILED at): the receivers replay their last step, all agree, then the layers change
+        owner. Returns this worker's report; when not ok nothing changed."""
+        t0 = time.perf_counter()
+        report = MigrationReport(ok=False, moves=self.moves, transfer="streamed")
+        mine = READY if self._status == READY else FAILED
+        if mine == READY:
+            done = self.stage.steps_done - self.base_step
+            deadline = self.started + self.settings.timeout_s
+            while not self._error and any(n < done for n in self._applied.values()):
+                if time.monotonic() > deadline:
+                    self._error = f"not moved within {self.settings.timeout_s:g} s"
+                    break
+                self._drain(block_s=0.05)
+            mine = FAILED if self._error else READY
+        agreed = self._agree(mine)
+        self.close()
+        if agreed == READY:
+            self.stage.reshape(layer_lists, {}, built=self._copies)
+            report.ok = True
+        else:
+            report.cause = self._error or "another worker's side failed"
+        report.bytes_sent, report.bytes_received = int(self._sent["bytes"]), self._received
+        report.layers = [[slot.index for slot in chunk] for chunk in self.stage.chunks]
+        report.seconds = time.perf_counter() - t0
+        report.streamed_iterations = self.boundaries
+        report.streamed_s = time.monotonic() - self.started
+        report.log_bytes = int(self._sent["log_bytes"])
+        report.chunks = int(self._sent["chunks"])
+        report.yielded_s = self._sent["yielded_s"]
+        return report
+
+    def close(self, *, wait: bool = False) -> None:
+        """Stop streaming (after the switch, or when the move is dropped). The threads
+        close their own sockets as they end, off the training path; ``wait`` joins them."""
+        self.stage.tap_steps(None)
+        self._stop.set()
+        self._outbox.put(None)
+        if wait:
+            for thread in self._threads:
+                thread.join(timeout=5.0)
+
+    # ------------------------------------------------------------------ sending
+    def _log_step(self, step: int, slots: list[LayerSlot]) -> None:
+        """Before the sender's optimizer step ``step``: log the outgoing layers' gradients
+        (copies: an optimizer may change them in place) and buffers."""
+        held = {slot.index: slot for slot in slots}
+        n = step - self.base_step + 1
+        if self._outbox.qsize() > _BACKLOG * len(self.outgoing):  # the link cannot keep up
+            self._error = self._error or (
+                f"the gradient log fell {_BACKLOG} steps behind the link; the move needs "
+                "stop-and-copy ([adapt] transfer)"
+            )
+            self.stage.tap_steps(None)
+            return
+        for k, move in self.outgoing:
+            tensors: dict[str, Tensor] = {}
+            for i in move.layers:
+                module = held[i].module
+                for name, p in module.named_parameters():
+                    if p.grad is not None:
+                        tensors[f"{i}/grad/{name}"] = p.grad.detach().to("cpu", copy=True)
+                for name, b in _state_buffers(module):
+                    tensors[f"{i}/buffer/{name}"] = b.detach().to("cpu", copy=True)
+            self._outbox.put((n * _PER_STEP + k, move.dst, functools.partial(_save, tensors)))
+
+    def _send_loop(self) -> None:
+        try:
+            self._send_all()
+        finally:
+            for sender in self._senders.values():
+                sender.close()
+
+    def _send_all(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None or self._stop.is_set():
+                return
+            stream, dst, make = item
+            try:
+                if self._fault == "raise":
+                    raise RuntimeError("migration fault injected before sending")
+                body = make()
+                framed = bytearray(hashlib.sha256(body).digest() + body)
+                if self._fault == "corrupt":
+                    framed[len(framed) // 2] ^= 0xFF
+                sent = self._senders[dst].send(stream, bytes(framed), timeout_s=3600.0)
+            except Exception as exc:  # the move fails at the next boundary
+                self._error = f"{type(exc).__name__}: {exc}"
+                return
+            self._sent["bytes"] += sent.bytes
+            self._sent["chunks"] += sent.chunks
+            self._sent["yielded_s"] += sent.yielded_s
+            if stream >= _PER_STEP:
+                self._sent["log_bytes"] += sent.bytes
+
+    # ------------------------------------------------------------------ receiving
+    def _receive_loop(self) -> None:
+        if self._receiver is None:
+            return
+        try:
+            self._receive_all(self._receiver)
+        finally:
+            self._receiver.close()
+
+    def _receive_all(self, receiver: StateReceiver) -> None:
+        """Take the incoming streams in order: every move's base, then step by step."""
+        n = 0
+        while True:
+            for k, _ in self.incoming:
+                while True:
+                    if self._stop.is_set():
+                        return
+                    try:
+                        data = receiver.receive(n * _PER_STEP + k, digest=None, timeout_s=0.05)
+                        break
+                    except StreamTimeout:
+                        continue
+                    except (StreamError, Exception) as exc:
+                        if not self._stop.is_set():
+                            self._inbox.put(f"{type(exc).__name__}: {exc}")
+                        return
+                self._inbox.put((n, k, data))
+            n += 1
+
+    def _drain(self, block_s: float = 0.0) -> None:
+        """Replay what has come (on the training thread, at a boundary)."""
+        while not self._error:
+            try:
+                item = self._inbox.get(timeout=block_s) if block_s else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block_s = 0.0
+            try:
+                self._apply(item)
+            except Exception as exc:
+                self._error = f"{type(exc).__name__}: {exc}"
+
+    def _apply(self, item: tuple[int, int, bytes] | str) -> None:
+        if isinstance(item, str):
+            raise StreamError(item)
+        n, k, framed = item
+        move = self.moves[k]
+        body = framed[32:]
+        if hashlib.sha256(body).digest() != framed[:32]:
+            raise StreamError(f"layers {list(move.layers)} from worker {move.src}: checksum")
+        self._received += len(framed)
+        if n == 0:
+            layers, _ = payload_layers(body)
+            if tuple(layers) != move.layers:
+                raise StreamError(f"worker {move.src} sent layers {layers}, not {move.layers}")
+            tensors = safetensors.torch.load(body)
+            for slot in self.stage.spare_slots(move.layers, tensors):
+                self._copies[slot.index] = slot
+        else:
+            _replay(self._copies, move.layers, safetensors.torch.load(body), self.stage.device)
+        self._applied[k] = n
+
+    # ------------------------------------------------------------------ collectives
+    def _agree(self, mine: int) -> int:
+        box = torch.tensor([mine], dtype=torch.int64, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        return int(box.item())
+
+    def _exchange(self, address: str, keys: _Keys | None) -> dict[int, tuple[str, str]]:
+        """Every worker's receiving address and server key, by rank."""
+        mine = json.dumps({"a": address, "k": keys.server_public if keys else ""}).encode()
+        if len(mine) > _ADDRESS_BYTES:
+            raise ValueError(f"state channel address too long: {address!r}")
+        box = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8, device=self.device)
+        box[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            boxes = [torch.empty_like(box) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(boxes, box, group=self.group)
+        else:
+            boxes = [box]
+        out = {}
+        for rank, got in enumerate(boxes):
+            raw = bytes(got.cpu().tolist()).rstrip(b"\0")
+            entry = json.loads(raw)
+            out[rank] = (str(entry["a"]), str(entry["k"]))
+        return out
+
+
+def vote(
+    stage: Stage,
+    moves: Sequence[Move],
+    *,
+    bandwidth_Bps: Callable[[int], float],
+    iteration_s: float,
+    comm_share: float,
+    cost: MigrationCost | None = None,
+) -> int:
+    """This worker's side of the crossover rule (`adaptipe.sim.migration.choose_transfer`)
+    for the moves it sends: 1 to stream them, 0 for stop-and-copy (the workers take the
+    minimum). ``bandwidth_Bps(dst)``: the measured link (0: unmeasured)."""
+    held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
+    for move in (m for m in moves if m.src == stage.rank):
+        state = stage.tensors(move.layers)
+        measured = bandwidth_Bps(move.dst)
+        choice = choose_transfer(
+            cost if cost is not None else MigrationCost(),
+            state_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+            log_bytes=sum(
+                p.numel() * p.element_size()
+                for i in move.layers
+                for p in held[i].module.parameters()
+            ),
+            bandwidth_Bps=measured if measured > 0 else UNMEASURED_BPS,
+            iteration_s=iteration_s,
+            comm_share=comm_share,
+        )
+        if choice != "streamed":
+            return 0
+    return 1
+
+
+def _save(tensors: dict[str, Tensor]) -> bytes:
+    return safetensors.torch.save(tensors) if tensors else safetensors.torch.save({})
+
+
+def _replay(
+    copies: Mapping[int, LayerSlot],
+    layers: Sequence[int],
+    logged: Mapping[str, Tensor],
+    device: torch.device,
+) -> None:
+    """One optimizer step of the copies of ``layers`` with the sender's gradients, then
+    the sender's buffers after that step's forwards."""
+    for i in layers:
+        slot = copies[i]
+        for name, p in slot.module.named_parameters():
+            grad = logged.get(f"{i}/grad/{name}")
+            p.grad = grad.to(device) if grad is not None else None
+        if slot.optimizer is not None:
+            slot.optimizer.step()
+            slot.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, b in _state_buffers(slot.module):
+                b.copy_(logged[f"{i}/buffer/{name}"])
+
+
+def _state_buffers(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """The buffers a layer's state holds (running statistics; not constant masks)."""
+    kept = module.state_dict(keep_vars=True)
+    return [(name, b) for name, b in module.named_buffers() if name in kept]
+
+
+def _fault(rank: int) -> str | None:
+    """``ADAPTIPE_INJECT_MIGRATION_FAULT`` for this worker's sending side (``raise`` or
+    ``corrupt``; the receiving kinds belong to stop-and-copy)."""
+    kind, _, target = os.environ.get(MIGRATION_FAULT_ENV, "").partition(":")
+    return kind if target.isdigit() and int(target) == rank else None
+
+
+def _local_host() -> str:
+    """This worker's address towards the others: the one it reaches the rendezvous
+    host from (loopback when that is loopback)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        if ipaddress.ip_address(master).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass  # a host name
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
+        probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+        return str(probe.getsockname()[0])
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """One migration's CURVE keys off loopback: each receiver is a server with a fresh
+    key pair; senders connect with a fresh client pair of their own (the channel is
+    encrypted and the receiver authenticated, like the process group beside it, which
+    authenticates nobody)."""
+
+    server_public: str
+    server_secret: str
+
+    @classmethod
+    def generate(cls) -> _Keys:
+        import zmq
+
+        public, secret = zmq.curve_keypair()
+        return cls(public.decode(), secret.decode())
+
+    def server(self) -> Any:
+        import zmq
+
+        from adaptipe.monitor.publisher import CurveKeys
+
+        client_public, _ = zmq.curve_keypair()
+        return CurveKeys(
+            self.server_public.encode(), self.server_secret.encode(), client_public, None
+        )
+
+    @staticmethod
+    def client_of(server_public: str) -> Any:
+        import zmq
+
+        from adaptipe.monitor.publisher import CurveKeys
+
+        public, secret = zmq.curve_keypair()
+        return CurveKeys(server_public.encode(), None, public, secret)

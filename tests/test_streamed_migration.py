@@ -1,0 +1,187 @@
+"""Streamed live migration (`adaptipe.runtime.streamed`): the moving layers' state
+crosses as a base copy plus a replayed gradient log while the old partition trains on,
+the layers switch owner once the copy has caught up, and every run ends bitwise equal to
+the run that never moved a layer; a stream that fails changes nothing either."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import PlanError
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import StageFailed, train
+from adaptipe.runtime.migration import MIGRATION_FAULT_ENV
+from adaptipe.runtime.planversion import adoptions
+from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.worker import FAULT_ENV
+from adaptipe.sim.migration import MigrationCost, choose_transfer
+
+ITERATIONS = 20
+
+CASES: dict[str, dict[str, Any]] = {
+    "1f1b-2-adam": {
+        "pipeline": {"stages": 2, "schedule": "1f1b"},
+        "optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.0},
+        "moves": [(3, [0, 2, 6]), (12, [0, 4, 6])],
+    },
+    "gpipe-3-sgd-non-adjacent": {
+        "pipeline": {"stages": 3, "schedule": "gpipe", "partition": [0, 3, 4, 6]},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "moves": [(3, [0, 1, 2, 6]), (12, [0, 3, 4, 6])],
+    },
+}
+
+
+def _config(
+    make_config: Callable[..., RunConfig],
+    case: dict[str, Any],
+    run_dir: Path,
+    *,
+    moves: bool,
+    adapt: dict[str, Any] | None = None,
+) -> RunConfig:
+    cfg = make_config(
+        pipeline=case["pipeline"],
+        optimizer=case["optimizer"],
+        data={"microbatches": 4},
+        train={"iterations": ITERATIONS, "checkpoint_every": 10, "run_dir": str(run_dir)},
+    )
+    data = cfg.to_dict()
+    if moves:
+        scripted = [{"iteration": it, "bounds": bounds} for it, bounds in case["moves"]]
+        data["adapt"] = {"transfer": "streamed", **(adapt or {}), "repartition": scripted}
+    return RunConfig.from_dict(data, source="test.toml")
+
+
+def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+    found = ckpt.latest(run_dir / "checkpoints")
+    assert found is not None
+    tensors, meta = ckpt.load(found)
+    assert meta["iteration"] == ITERATIONS
+    return tensors
+
+
+def _events(run_dir: Path, kind: str, stages: int) -> list[list[dict[str, Any]]]:
+    run = RunDir(run_dir)
+    return [
+        [r for r in map(json.loads, run.stage_metrics(s).read_text().splitlines())
+         if r.get("event") == kind]
+        for s in range(stages)
+    ]  # fmt: skip
+
+
+def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    assert any(".step" in k or "momentum_buffer" in k for k in want)  # optimizer state too
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the run without moves"
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if "gpipe" in n else []) for n in CASES]
+)
+def test_streamed_migrations_end_bitwise_equal_to_no_migration(
+    make_config: Callable[..., RunConfig], tmp_path: Path, name: str
+) -> None:
+    case = CASES[name]
+    stages = case["pipeline"]["stages"]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    train(_config(make_config, case, moved, moves=True))
+    starts = _events(moved, "stream_start", stages)
+    assert [[e["iteration"] for e in s] for s in starts] == [[3, 12]] * stages
+    migrations = _events(moved, "migration", stages)
+    switched = [e["iteration"] for e in migrations[0]]
+    for s in migrations:
+        assert [(e["ok"], e["transfer"]) for e in s] == [(True, "streamed")] * 2
+        assert [e["iteration"] for e in s] == switched  # every worker at one boundary
+        assert all(e["streamed_iterations"] >= 1 for e in s)
+    # the switch comes after the decision, and that is where the version is recorded
+    assert switched[0] > 3 and switched[1] > 12
+    assert sorted(adoptions(RunDir(moved)).values()) == switched
+    senders = [e for s in migrations for e in s if e["bytes_sent"] > 0]
+    assert senders and all(0 < e["log_bytes"] < e["bytes_sent"] for e in senders)
+    plans = _events(moved, "plan", stages)
+    assert sorted(i for s in plans for i in s[-1]["layers"]) == list(range(6))
+    said = [
+        e
+        for e in map(json.loads, (moved / "control.jsonl").read_text().splitlines())
+        if e.get("event") == "migration"
+    ]
+    assert [(e["iteration"], e["transfer"], e["ok"]) for e in said] == [
+        (it, "streamed", True) for it in switched
+    ]
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
+@pytest.mark.parametrize("fault", ["corrupt:0", pytest.param("raise:0", marks=pytest.mark.slow)])
+def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:
+    case = dict(CASES["1f1b-2-adam"], moves=[(3, [0, 2, 6]), (12, [0, 1, 6])])  # 0 sends
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    tried = tmp_path / "tried"
+    monkeypatch.setenv(MIGRATION_FAULT_ENV, fault)
+    train(_config(make_config, case, tried, moves=True))
+    migrations = _events(tried, "migration", 2)
+    assert [[e["ok"] for e in s] for s in migrations] == [[False, False]] * 2
+    causes = " ".join(e["cause"] for s in migrations for e in s)
+    assert {"corrupt": "checksum", "raise": "injected before sending"}[fault[:-2]] in causes
+    assert _events(tried, "plan", 2) == [[], []]  # the partition never changed
+    _assert_bitwise(_final(tried), _final(tmp_path / "still"))
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_two_streamed_migrations_resumes_bitwise(
+    make_config: Callable[..., RunConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume replays the first switch where it happened (by stop-and-copy there:
+    the same state, so the same bits)."""
+    case = CASES["1f1b-2-adam"]
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    monkeypatch.setenv(FAULT_ENV, "1:11")  # after the first switch, before the second
+    with pytest.raises(StageFailed, match="InjectedFault"):
+        train(_config(make_config, case, moved, moves=True))
+    monkeypatch.delenv(FAULT_ENV)
+    first = list(adoptions(RunDir(moved)).values())
+    assert len(first) == 1 and first[0] > 3
+    train(_config(make_config, case, moved, moves=True), run_dir=moved, resume=True)
+    assert sorted(adoptions(RunDir(moved)).values())[0] == first[0]
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
+def test_the_crossover_streams_large_state_when_the_log_keeps_up() -> None:
+    cost = MigrationCost(fixed_s=0.015, efficiency=1.0, stream_fixed_s=0.03, log_share=0.5)
+    big = {"state_bytes": 150 << 20, "log_bytes": 50 << 20, "iteration_s": 1.0}
+    # 150 MB at 1 GB/s stalls 0.17 s copied at once, 0.08 s streamed; the log fits
+    assert choose_transfer(cost, **big, bandwidth_Bps=1e9, comm_share=0.2) == "streamed"
+    # the same over 100 MB/s: the log (50 MB a step) needs more than half the spare link
+    assert choose_transfer(cost, **big, bandwidth_Bps=1e8, comm_share=0.2) == "stop_and_copy"
+    # a small state: copying it at once is quicker than the streamed switch
+    small = {"state_bytes": 2 << 20, "log_bytes": 1 << 20, "iteration_s": 0.05}
+    assert choose_transfer(cost, **small, bandwidth_Bps=1e9, comm_share=0.2) == "stop_and_copy"
+    assert cost.streamed_stall_s(50 << 20, 1e9) < cost.stall_s(150 << 20, 1e9)
+
+
+def test_bad_transfer_settings_name_the_field(make_config: Callable[..., RunConfig]) -> None:
+    data = make_config().to_dict()
+    for adapt, words in (
+        ({"transfer": "rsync"}, "[adapt].transfer"),
+        ({"prioritise": "yes"}, "[adapt].prioritise"),
+        ({"chunk_bytes": 10}, "[adapt].chunk_bytes"),
+    ):
+        with pytest.raises(
+            PlanError, match=r"test\.toml.*" + words.replace("[", r"\[").replace(".", r"\.")
+        ):
+            RunConfig.from_dict({**data, "adapt": adapt}, source="test.toml")
