@@ -20,7 +20,10 @@ from adaptipe.controllers.live import decider as live_decider
 from adaptipe.controllers.live import from_settings
 from adaptipe.controllers.threshold import Threshold
 from adaptipe.errors import PlanError
+from adaptipe.monitor.report import _decisions_html, make_report
+from adaptipe.monitor.runlog import load_run
 from adaptipe.monitor.schema import Record, StageStats
+from adaptipe.monitor.timeline import run_marks
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.adapt_config import AdaptSection
 from adaptipe.runtime.adapt_loop import AdaptLoop, Verdict
@@ -299,3 +302,44 @@ def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
     assert moves[0]["iteration"] >= 10
     migrations = [e for e in events if e["event"] == "migration"]
     assert [(m["bounds"], m["ok"]) for m in migrations] == [(bounds, True)]
+    outcome = [e for e in events if e["event"] == "decision_outcome"]
+    assert [o["switched_at"] for o in outcome] == [migrations[0]["iteration"]]
+    page = make_report(cfg.train.run_dir).read_text()
+    assert "<h2>Decisions</h2>" in page and f"move to {bounds}" in page
+    assert "decision" in {m.kind for m in run_marks(load_run(cfg.train.run_dir), [], 0.0, 1.0)}
+
+
+def test_the_report_lists_decisions_with_their_realised_gain(tmp_path: Path) -> None:
+    move = {"bounds": [0, 4, 6], "reason": "slow stage 1", "predicted_gain_s": 0.012}
+    lines = [
+        {
+            "event": "decision",
+            "iteration": 5,
+            "controller": "threshold",
+            "acted": False,
+            "decision": {"bounds": None, "reason": "within the margin"},
+        },
+        {
+            "event": "decision",
+            "iteration": 9,
+            "controller": "threshold",
+            "acted": True,
+            "decision": move,
+        },
+        {
+            "event": "decision",
+            "iteration": 13,
+            "controller": "threshold",
+            "acted": False,
+            "decision": None,
+            "error": "ValueError: no idea",
+        },
+        {"event": "decision_outcome", "iteration": 9, "realised_gain_s": 0.008},
+    ]
+    (tmp_path / "control.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    page = _decisions_html(tmp_path)
+    rows = [r for r in page.split("<tr>")[2:]]
+    assert len(rows) == 3 and "within the margin" in rows[0] and ">keep<" in rows[0]
+    assert "move to [0, 4, 6]" in rows[1] and ">12.00<" in rows[1] and ">8.00<" in rows[1]
+    assert ">error<" in rows[2] and "ValueError: no idea" in rows[2]
+    assert _decisions_html(tmp_path / "none") == ""
