@@ -52,6 +52,7 @@ def add_parser(
 
 def run(args: argparse.Namespace) -> int:
     from adaptipe.cli.progress import training_progress
+    from adaptipe.controllers.live import decider
     from adaptipe.runtime.manage import manage
 
     with training_progress("manage", disable=args.json or args.no_progress) as on_iteration:
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             wait_s=args.wait_s,
             inject=args.inject,
             inject_seed=args.inject_seed,
+            decider=decider,
         )
     if args.json:
         print(json.dumps(summary.to_json()))

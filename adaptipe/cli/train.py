@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> TrainSummary:
     """Train with a progress bar on stderr (none with ``--json`` or ``--no-progress``)."""
     from adaptipe.cli.progress import training_progress
+    from adaptipe.controllers.live import decider
     from adaptipe.runtime import train
 
     with training_progress(disable=args.json or args.no_progress) as on_iteration:
@@ -62,4 +63,5 @@ def _train(args: argparse.Namespace) -> TrainSummary:
             on_iteration=on_iteration,
             inject=args.inject,
             inject_seed=args.inject_seed,
+            decider=decider,
         )

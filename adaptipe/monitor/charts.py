@@ -44,7 +44,12 @@ _DEVICE_FIELDS = (
 )
 _LINK_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 _INJECTION_COLOURS = ("#d62728", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22")
-_POINT_COLOURS = {"checkpoint": "#555555", "migration": "#1f77b4", "injection-failed": "#000000"}
+_POINT_COLOURS = {
+    "checkpoint": "#555555",
+    "migration": "#1f77b4",
+    "decision": "#2ca02c",
+    "injection-failed": "#000000",
+}
 _DPI = 110
 
 

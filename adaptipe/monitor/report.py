@@ -167,6 +167,66 @@ def _events_html(marks: Sequence[Mark]) -> str:
     return _table(("event", "seconds since start", "iteration", "detail"), rows)
 
 
+_KEEPS_LISTED = 30  # more decisions than this: only the moves and errors get a row
+
+
+def _decisions_html(root: Path) -> str:
+    """The controller's decisions (``control.jsonl``): iteration, controller, action,
+    predicted and realised gain, reason; '' when the run logged none."""
+    decisions, realised = [], {}
+    path = root / "control.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a torn line
+        if not isinstance(event, dict):
+            continue
+        if event.get("event") == "decision":
+            decisions.append(event)
+        elif event.get("event") == "decision_outcome":
+            realised[event.get("iteration")] = event.get("realised_gain_s")
+    if not decisions:
+        return ""
+    rows = [
+        _decision_row(e, realised)
+        for e in decisions
+        if len(decisions) <= _KEEPS_LISTED or _decision_action(e) != "keep"
+    ]
+    note = (
+        f"<p>{len(decisions) - len(rows)} more checks kept the partition (every one is in "
+        "control.jsonl).</p>"
+        if len(rows) < len(decisions)
+        else ""
+    )
+    header = ("iteration", "controller", "action", "predicted gain (ms)", "realised gain (ms)")
+    return _table((*header, "reason"), rows) + note
+
+
+def _decision_action(e: dict[str, Any]) -> str:
+    bounds = (e.get("decision") or {}).get("bounds")
+    if e.get("error"):
+        return "error"
+    if bounds is None:
+        return "keep"
+    return f"move to {bounds}" if e.get("acted") else f"would move to {bounds} (not acted on)"
+
+
+def _decision_row(e: dict[str, Any], realised: dict[Any, Any]) -> tuple[Any, ...]:
+    decision = e.get("decision") or {}
+    gain = decision.get("predicted_gain_s")
+    got = realised.get(e.get("iteration")) if e.get("acted") else None
+    return (
+        e.get("iteration"),
+        str(e.get("controller", "")),
+        _decision_action(e),
+        gain * 1e3 if isinstance(gain, int | float) else None,
+        got * 1e3 if isinstance(got, int | float) else None,
+        str(e.get("error") or decision.get("reason", "")),
+    )
+
+
 def _job_names(root: Path) -> dict[str, str]:
     """A job-array's job names by index, from the run's config.json ({} otherwise)."""
     try:
@@ -227,6 +287,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         f"<figcaption>{html.escape(_CHARTS[c])}</figcaption></figure>"
         for c in drawn
     )
+    decisions = _decisions_html(log.root)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>adaptipe report: {name}</title>
 <style>{_CSS}</style></head><body>
@@ -236,6 +297,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 <h2>Summary</h2>
 {_summary_html(log)}
 {"<h2>Links (bandwidth per iteration)</h2>" + _links_html(links) if links else ""}
+{"<h2>Decisions</h2>" + decisions if decisions else ""}
 <h2>Events</h2>
 <p>Injections are shaded from start to end on the charts; other events are dashed lines.</p>
 {_events_html(marks)}

@@ -93,11 +93,12 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
             open_spans[key] = e
         elif e.kind == "injection-end" and key in open_spans:
             marks.append(span(open_spans.pop(key), e.time_s - t0))
-        else:
+        elif e.kind != "decision":  # control.jsonl's decisions are drawn from there
             s = e.time_s - t0
             marks.append(Mark(e.kind, e.kind, s, None, clock.to_iter(s), None, detail(e)))
     marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
     marks += _migration_marks(log.root, clock)
+    marks += _decision_marks(log.root, clock)
     if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
         for path in sorted((log.root / "checkpoints").glob("iter-*")):
             if (n := path.name.removeprefix("iter-")).isdigit():
@@ -141,4 +142,26 @@ def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:
             continue  # a torn or foreign line
         label = "migration" if ok else "migration failed"
         out.append(Mark("migration", label, clock.to_time(x), None, x, None, detail))
+    return out
+
+
+def _decision_marks(root: Path, clock: _Clock) -> list[Mark]:
+    """The controller's decisions to move (``control.jsonl``), at the end of the
+    iteration they were taken after: acted on, or logged only (dry run)."""
+    path = root / "control.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+            bounds = (event.get("decision") or {}).get("bounds")
+            if event.get("event") != "decision" or bounds is None:
+                continue
+            x = float(event["iteration"]) + 0.5
+            label = "decision" if event["acted"] else "decision (not acted on)"
+            detail = f"{event['controller']}: to {bounds}; {event['decision'].get('reason', '')}"
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue  # a torn or foreign line
+        out.append(Mark("decision", label, clock.to_time(x), None, x, None, detail))
     return out

@@ -17,12 +17,26 @@
     prioritise = true        # streamed state yields to activations and gradients
     chunk_bytes = 262144     # streamed state travels in chunks of this size
 
+    controller = "threshold" # none (default) | threshold: the manager re-partitions when
+                             # the threshold rule says so (`adaptipe.runtime.adapt_loop`)
+    check_every = 4          # iterations between the controller's checks
+    window = 8               # iterations each check observes
+    margin = 0.10            # threshold: measured over best predicted, beyond 1
+    patience = 3             # threshold: consecutive checks over the margin (K)
+    cooldown = 20            # threshold: iterations after a move before the next
+    max_per_hour = 6         # threshold: at most this many moves an hour
+    horizon = 100            # threshold: iterations a move's predicted gain counts over
+    dry_run = false          # log the decisions, never act on them
+    decide_timeout_s = 5.0   # a controller call longer than this is logged as timed out
+
     [[adapt.repartition]]    # scripted: from iteration 10 on, layers 0-2 | 3-7
     iteration = 10
     bounds = [0, 3, 8]
 
 A scripted re-partition is committed as a plan version before the workers start, and
-comes into force exactly at its iteration (windows end there).
+comes into force exactly at its iteration (windows end there). A controller needs
+telemetry (``[train].telemetry``, on by default): one with telemetry turned off is
+refused (`adaptipe.runtime.config`).
 """
 
 from __future__ import annotations
@@ -35,10 +49,20 @@ from typing import Any
 from adaptipe.errors import PlanError
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str
 
-__all__ = ["METHODS", "TRANSFERS", "AdaptSection", "Repartition", "parse_adapt"]
+__all__ = ["CONTROLLERS", "METHODS", "TRANSFERS", "AdaptSection", "Repartition", "parse_adapt"]
 
 METHODS = ("live", "checkpoint", "restart")
 TRANSFERS = ("auto", "stop_and_copy", "streamed")
+CONTROLLERS = ("none", "threshold")
+# [adapt] integer fields of the controller loop: name -> (default, minimum)
+_INTS = {
+    "check_every": (4, 1),
+    "window": (8, 1),
+    "patience": (3, 1),
+    "cooldown": (20, 0),
+    "max_per_hour": (6, 1),
+    "horizon": (100, 1),
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +81,16 @@ class AdaptSection:
     prioritise: bool = True
     chunk_bytes: int = 256 << 10
     repartition: tuple[Repartition, ...] = field(default_factory=tuple)
+    controller: str = "none"
+    check_every: int = 4
+    window: int = 8
+    margin: float = 0.10
+    patience: int = 3
+    cooldown: int = 20
+    max_per_hour: int = 6
+    horizon: int = 100
+    dry_run: bool = False
+    decide_timeout_s: float = 5.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +99,11 @@ class AdaptSection:
             "transfer": self.transfer,
             "prioritise": self.prioritise,
             "chunk_bytes": self.chunk_bytes,
+            "controller": self.controller,
+            **{name: getattr(self, name) for name in _INTS},
+            "margin": self.margin,
+            "dry_run": self.dry_run,
+            "decide_timeout_s": self.decide_timeout_s,
             "repartition": [
                 {"iteration": r.iteration, "bounds": list(r.bounds)} for r in self.repartition
             ],
@@ -77,7 +116,19 @@ def parse_adapt(
     """Read ``[adapt]``; every error names the file, the field and what is allowed."""
     if not isinstance(raw, Mapping):
         raise PlanError(f"{source}: [adapt] must be a table (got {type(raw).__name__})")
-    allowed = ("method", "timeout_s", "transfer", "prioritise", "chunk_bytes", "repartition")
+    allowed = (
+        "method",
+        "timeout_s",
+        "transfer",
+        "prioritise",
+        "chunk_bytes",
+        "repartition",
+        "controller",
+        *_INTS,
+        "margin",
+        "dry_run",
+        "decide_timeout_s",
+    )
     for key in raw:
         if key not in allowed:
             raise PlanError(
@@ -111,7 +162,30 @@ def parse_adapt(
         prioritise=prioritise,
         chunk_bytes=chunk,
         repartition=tuple(out),
+        **_controller_fields(raw, source),
     )
+
+
+def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The controller loop's fields of ``[adapt]``, checked."""
+    p = "[adapt]."
+    out: dict[str, Any] = {
+        "controller": get_str(
+            raw, "controller", source=source, prefix=p, choices=CONTROLLERS, default="none"
+        ),
+        "dry_run": get_bool(raw, "dry_run", source=source, prefix=p, default=False),
+    }
+    for name, (default, low) in _INTS.items():
+        out[name] = get_int(raw, name, source=source, prefix=p, minimum=low, default=default)
+    margin = get_float(raw, "margin", source=source, prefix=p, default=0.10)
+    if not 0 <= margin < 10:
+        raise PlanError(f"{source}: [adapt].margin must be >= 0 and < 10 (got {margin:g})")
+    wait = get_float(raw, "decide_timeout_s", source=source, prefix=p, default=5.0)
+    if not 0 < wait <= 3600:
+        raise PlanError(
+            f"{source}: [adapt].decide_timeout_s must be > 0 and <= 3600 seconds (got {wait:g})"
+        )
+    return {**out, "margin": margin, "decide_timeout_s": wait}
 
 
 def _repartition(

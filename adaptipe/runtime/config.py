@@ -297,9 +297,17 @@ def _parse(
         if "adapt" in data
         else AdaptSection()
     )
-    if adapt.repartition and pipeline.schedule in ("pipedream", "2bw"):
+    moving = "[[adapt.repartition]]" if adapt.repartition else None
+    if adapt.controller != "none":
+        moving = f"[adapt].controller = {adapt.controller!r}"
+        if not train.telemetry:  # what it decides from; turned off on purpose: say so
+            raise PlanError(
+                f"{source}: {moving} decides from telemetry, and [train].telemetry = false "
+                "turns it off; set [train].telemetry = true or [adapt].controller = 'none'"
+            )
+    if moving is not None and pipeline.schedule in ("pipedream", "2bw"):
         raise PlanError(
-            f"{source}: [[adapt.repartition]] needs a synchronous schedule (gpipe, 1f1b, "
+            f"{source}: {moving} needs a synchronous schedule (gpipe, 1f1b, "
             f"interleaved); [pipeline].schedule = {pipeline.schedule!r} keeps weight "
             "versions in flight that a partition change would break"
         )

@@ -25,6 +25,7 @@ from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.monitor.collector import Collector
 from adaptipe.monitor.schema import Event
+from adaptipe.runtime.adapt_loop import AdaptLoop, DeciderFactory
 from adaptipe.runtime.bootstrap import EXIT_RESTART
 from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
@@ -126,6 +127,7 @@ def train(
     poll_s: float = 0.05,
     inject: str | Path | None = None,
     inject_seed: int = 0,
+    decider: DeciderFactory | None = None,
 ) -> TrainSummary:
     """Train a config over real stage processes; return the summary.
 
@@ -138,6 +140,9 @@ def train(
         inject: an interference scenario (TOML) to run next to training; its clock starts
             when every worker is ready, and its events join the telemetry stream.
         inject_seed: seed of the scenario's random draws (Poisson arrivals, kills).
+        decider: builds the controller ``[adapt].controller`` names
+            (`adaptipe.controllers.live.decider`, which the CLI passes); needed when it
+            is not "none" (controllers sit above the runtime in the import order).
     """
     if resume:
         if run_dir is None:
@@ -166,6 +171,7 @@ def train(
             poll_s=poll_s,
             scenario=scenario,
             inject_seed=inject_seed,
+            decider=decider,
         )
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say how to go on
         exc.add_note(resume_hint(run))
@@ -212,31 +218,27 @@ class _Launch:
     collector: Collector | None
     interference: Interference | None
     on_iteration: ProgressFn | None
+    adapt: AdaptLoop | None = None  # [adapt].controller's decision loop
     publisher: Publisher | None = None  # the manager's own events into the telemetry stream
     marked: bool = False  # this process is marked as the run's manager
 
     def announce(self, events: list[dict[str, Any]]) -> None:
-        """Put the migrations among ``events`` on the telemetry stream too (so
-        ``adaptipe monitor`` lists them with the injections)."""
+        """Put the migrations and the controller's moves and errors among ``events`` on
+        the telemetry stream too (so ``adaptipe monitor`` lists them with the
+        injections)."""
         if self.collector is None:
             return
-        for e in (e for e in events if e.get("event") == "migration"):
+        for e in events:
+            detail = _announced(e)
+            if detail is None:
+                continue
             if self.publisher is None:
                 from adaptipe.monitor.publisher import Publisher
 
                 info = read_manager(self.run)  # off loopback: the workers' CURVE keys
                 curve = info.curve() if info is not None else None
                 self.publisher = Publisher(self.collector.address, stage=0, curve=curve)
-            detail = {
-                "iteration": e["iteration"],
-                "ok": e["ok"],
-                "bounds": ",".join(str(b) for b in e["bounds"]),
-                "bytes": e["bytes"],
-                "seconds": round(e["seconds"], 6),
-            }
-            if e["causes"]:
-                detail["cause"] = "; ".join(e["causes"])[:200]
-            self.publisher.publish(Event(kind="migration", time_s=time.time(), detail=detail))
+            self.publisher.publish(Event(kind=e["event"], time_s=time.time(), detail=detail))
 
     def close(self) -> None:
         """Stop the scenario, the workers (by pid), the collector; in that order."""
@@ -249,6 +251,30 @@ class _Launch:
             self.collector.close()
         if self.marked:
             mark_manager(self.run, running=False)
+
+
+def _announced(e: dict[str, Any]) -> dict[str, Any] | None:
+    """The telemetry detail of a control event worth announcing (None: not announced):
+    every migration, and each decision that moves or failed."""
+    if e.get("event") == "migration":
+        detail = {
+            "iteration": e["iteration"],
+            "ok": e["ok"],
+            "bounds": ",".join(str(b) for b in e["bounds"]),
+            "bytes": e["bytes"],
+            "seconds": round(e["seconds"], 6),
+        }
+        if e["causes"]:
+            detail["cause"] = "; ".join(e["causes"])[:200]
+        return detail
+    decision = e.get("decision") or {}
+    if e.get("event") != "decision" or (decision.get("bounds") is None and "error" not in e):
+        return None
+    out = {"iteration": e["iteration"], "controller": e["controller"], "acted": e["acted"]}
+    if decision.get("bounds") is not None:
+        out["bounds"] = ",".join(str(b) for b in decision["bounds"])
+    why = e.get("error") or decision.get("reason", "")
+    return out | {"reason": str(why)[:200]}
 
 
 def _run(
@@ -264,6 +290,7 @@ def _run(
     scenario: Scenario | None = None,
     inject_seed: int = 0,
     elsewhere: Elsewhere | None = None,
+    decider: DeciderFactory | None = None,
 ) -> TrainSummary:
     """Follow the run's workers to the end: started here (`spawn`), or, with
     ``elsewhere``, by another launcher (torchrun) that `adaptipe.runtime.manage` waits for."""
@@ -273,6 +300,12 @@ def _run(
         run, schedule.num_stages, {str(job.index): job.batch_size for job in cfg.jobs}
     )
     controller = _controller(run, cfg, total)
+    if cfg.adapt.controller != "none" and decider is None:
+        raise PlanError(
+            f"{run.config_json}: [adapt].controller = {cfg.adapt.controller!r} needs its "
+            "decider: pass decider=adaptipe.controllers.live.decider (`adaptipe train` and "
+            "`adaptipe manage` do)"
+        )
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
@@ -308,6 +341,8 @@ def _run(
         on_iteration=on_iteration,
         marked=marked,
     )
+    if decider is not None and cfg.adapt.controller != "none" and collector is not None:
+        launch.adapt = AdaptLoop(run, cfg.adapt, decider(run, cfg), collector.records, start=start)
     try:
         if scenario is not None:
             assert collector is not None
@@ -357,6 +392,8 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
             if on_iteration is not None:
                 on_iteration(rec, launch.total)
         events = [*follower.migrations(), *(controller.poll() if controller is not None else [])]
+        if launch.adapt is not None:
+            events += launch.adapt.poll(new)
         for event in events:
             control_log.write(json_line(event))
             control_log.flush()
@@ -376,6 +413,8 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 if on_iteration is not None:
                     on_iteration(rec, launch.total)
             last = follower.migrations()
+            if launch.adapt is not None:
+                last += launch.adapt.close()
             for event in last:
                 control_log.write(json_line(event))
             launch.announce(last)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.collector import Collector
+from adaptipe.runtime.adapt_loop import DeciderFactory
 from adaptipe.runtime.host import this_host
 from adaptipe.runtime.interference import load_interference
 from adaptipe.runtime.launch import ProgressFn, _resumable, _run
@@ -54,6 +55,7 @@ def manage(
     wait_s: float = 600.0,
     inject: str | os.PathLike[str] | None = None,
     inject_seed: int = 0,
+    decider: DeciderFactory | None = None,
 ) -> TrainSummary:
     """Manage the prepared run in ``run_dir`` while workers started elsewhere train it;
     return its summary.
@@ -70,6 +72,7 @@ def manage(
             host; its events join the telemetry. Kills, slowdowns and throttles are
             refused (they need workers this process started).
         inject_seed: seed of the scenario's random draws.
+        decider: builds ``[adapt].controller``'s controller (as for `launch.train`).
     """
     run = RunDir(Path(run_dir))
     if resume:
@@ -111,6 +114,7 @@ def manage(
         scenario=scenario,
         inject_seed=inject_seed,
         elsewhere=elsewhere,
+        decider=decider,
     )
 
 

@@ -444,8 +444,11 @@ class StageExecutor:
         stats.wait_s, stats.comm_s = self.transport.take_times()
         stats.compute_s = it.compute
         stats.losses = losses = it.losses
-        stats.layer_forward_s = self._layer_fwd
-        stats.layer_backward_s = self._layer_bwd
+        # An injected slowdown stretches every compute step (`_slow`): the layers' times
+        # with it, as real interference shows in them (what the controllers read).
+        slow = max(self.slowdown, 1.0)
+        stats.layer_forward_s = {i: t * slow for i, t in self._layer_fwd.items()}
+        stats.layer_backward_s = {i: t * slow for i, t in self._layer_bwd.items()}
         # The mean over jobs of each job's mean micro-batch loss (over a window's rounds too).
         counts: dict[int, int] = {}
         for j, _ in stats.microbatch_losses:

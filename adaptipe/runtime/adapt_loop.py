@@ -1,0 +1,292 @@
+"""The manager's decision loop: a controller checked every few iterations, off the
+training path, whose moves become plan versions.
+
+`_follow` (`adaptipe.runtime.launch`) polls an `AdaptLoop` once per pass with the
+iterations merged since the last. Every ``[adapt].check_every`` iterations, once a full
+``[adapt].window`` of iterations has run under the partition in force and no plan change
+is in flight (a version committed and not yet adopted, or adopted and not yet run by
+every stage), it hands the telemetry records since the last plan change to a `Decider`
+on a thread of its own. The poll never waits for it: a call that raises is logged as a
+decision with an ``error``; one that runs past ``[adapt].decide_timeout_s`` is logged as
+timed out, its answer (when it comes) is dropped, and no new call starts until it has
+returned. A move (not with ``dry_run``) is committed through `repartition`, so the
+workers take it on at their next boundary with ``[adapt].method``.
+
+Events (one JSON line each in ``control.jsonl``)::
+
+    {"event": "decision", "iteration", "controller", "bounds" (in force), "decision"
+     (Decision.to_json() or null), "acted", "dry_run", "inputs", "seconds",
+     ["version" (committed), "error"]}
+    {"event": "decision_outcome", "iteration" (the decision's), "version", "switched_at",
+     "before_s", "after_s", "predicted_gain_s", "realised_gain_s"}
+
+The outcome compares the median merged iteration time of the ``window`` iterations just
+before the switch with that of the first ``window`` iterations from it on (the switch's
+own stall included); a move the workers could not make (a failed migration rolls back)
+has ``switched_at`` null.
+
+The loop knows controllers only through `Decider`: ``adaptipe.controllers`` sits above
+the runtime in the import order (docs/architecture.md), so the caller passes the
+factory in (`adaptipe.controllers.live.decider` does observe + decide).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from adaptipe.errors import PlanError
+from adaptipe.monitor.schema import Record, StageStats
+from adaptipe.plan.partition import Partition
+from adaptipe.runtime.planversion import adoptions, current_version, read_active
+from adaptipe.runtime.repartition import repartition
+from adaptipe.runtime.rundir import RunDir
+
+if TYPE_CHECKING:
+    from adaptipe.runtime.adapt_config import AdaptSection
+    from adaptipe.runtime.config import RunConfig
+
+__all__ = ["AdaptLoop", "Decider", "DeciderFactory", "Verdict"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """One controller call's answer: move to ``bounds`` (None: keep), the controller's
+    decision as JSON, and the numbers it decided on (for the log)."""
+
+    bounds: tuple[int, ...] | None
+    decision: Mapping[str, Any]
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Decider(Protocol):
+    """Observes telemetry ``records`` under ``partition`` and decides; may keep state."""
+
+    name: str
+
+    def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict: ...
+
+
+DeciderFactory = Callable[[RunDir, "RunConfig"], Decider]
+
+
+class _Call:
+    """One decider call on a daemon thread (a hung controller never holds up exit)."""
+
+    def __init__(self, fn: Callable[[], Verdict], clock: Callable[[], float]) -> None:
+        self.clock, self.started = clock, clock()
+        self.ended: float | None = None
+        self.result: Verdict | None = None
+        self.error: BaseException | None = None
+        self.timed_out = False  # logged as timed out: its answer is dropped
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="adaptipe-decide")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Verdict]) -> None:
+        try:
+            self.result = fn()
+        except Exception as exc:  # a controller's fault is logged, never raised
+            self.error = exc
+        finally:
+            self.ended = self.clock()
+
+    @property
+    def done(self) -> bool:
+        return self.ended is not None
+
+    def seconds(self) -> float:
+        return (self.ended if self.ended is not None else self.clock()) - self.started
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A committed move whose realised gain is still to be measured."""
+
+    iteration: int
+    version: int
+    predicted_gain_s: float | None
+
+
+class AdaptLoop:
+    """See the module doc.
+
+    Args:
+        run: the run directory (plan versions, adoptions).
+        settings: the run's ``[adapt]``.
+        decider: the controller behind the `Decider` protocol.
+        records: the telemetry kept so far (e.g. `Collector.records`); called on the
+            poll, cheap.
+        start: the first iteration this launch trains (a resume's checkpoint).
+        commit: commits layer bounds, returns the version (default: `repartition`).
+    """
+
+    def __init__(
+        self,
+        run: RunDir,
+        settings: AdaptSection,
+        decider: Decider,
+        records: Callable[[], Sequence[Record]],
+        *,
+        start: int = 0,
+        commit: Callable[[tuple[int, ...]], int] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.run, self.settings, self.decider = run, settings, decider
+        self._records, self._clock, self._start = records, clock, start
+        self._commit = commit if commit is not None else self._repartition
+        self._latest = start - 1  # the last merged iteration
+        self._next_check = start
+        self._times: dict[int, float] = {}  # merged iteration -> its seconds
+        self._call: _Call | None = None
+        self._asked: tuple[int, tuple[int, ...]] = (start, ())  # iteration, bounds in force
+        self._pending: list[_Pending] = []
+        self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
+
+    def poll(self, merged: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Take the newly merged iterations; return the events to log. Never blocks."""
+        for rec in merged:
+            self._times[int(rec["iteration"])] = float(rec["iteration_s"])
+            self._latest = max(self._latest, int(rec["iteration"]))
+        events = self._collect()
+        if merged and self._pending:
+            events += self._outcomes()
+        if merged:  # keep what an outcome may still need
+            keep = min([self._asked[0], *(p.iteration for p in self._pending)])
+            keep -= self.settings.window
+            self._times = {i: t for i, t in self._times.items() if i > keep}
+        if self._call is None and self._latest >= self._next_check:
+            self._maybe_start()
+        return events
+
+    def close(self) -> list[dict[str, Any]]:
+        """The run ended: the events of a call that has finished by now."""
+        return self._collect() if self._call is not None and self._call.done else []
+
+    # ------------------------------------------------------------------ calls
+    def _maybe_start(self) -> None:
+        in_force = self._in_force()
+        if in_force is None:
+            return
+        since, partition = in_force
+        if self._latest < since + self.settings.window - 1:
+            return  # a full window under the partition in force first
+        records = [
+            r for r in self._records() if not isinstance(r, StageStats) or r.iteration >= since
+        ]
+        decider = self.decider
+        self._asked = (self._latest, tuple(partition.bounds))
+        self._call = _Call(lambda: decider(records, partition), self._clock)
+        self.calls += 1
+        self._next_check = self._latest + self.settings.check_every
+
+    def _in_force(self) -> tuple[int, Partition] | None:
+        """(the iteration it came into force, the partition) of the plan in force; None
+        while a change is in flight (committed, not yet adopted)."""
+        adopted = adoptions(self.run)
+        newest = max(adopted, default=0)
+        if current_version(self.run) > newest:
+            return None
+        since = max(adopted.get(newest, 0), self._start)
+        partition = read_active(self.run, newest).partition if newest else None
+        return since, partition if partition is not None else self.run.read_partition()
+
+    def _collect(self) -> list[dict[str, Any]]:
+        call = self._call
+        if call is None:
+            return []
+        if call.done:
+            self._call = None
+            return [] if call.timed_out else [self._event(call)]
+        if call.seconds() > self.settings.decide_timeout_s and not call.timed_out:
+            call.timed_out = True
+            why = (
+                f"timed out after {self.settings.decide_timeout_s:g} s (decide_timeout_s); its "
+                "answer will be dropped and no other call starts until it returns"
+            )
+            return [self._base(call) | {"decision": None, "acted": False, "error": why}]
+        return []
+
+    def _base(self, call: _Call) -> dict[str, Any]:
+        iteration, bounds = self._asked
+        return {
+            "event": "decision",
+            "iteration": iteration,
+            "controller": self.decider.name,
+            "bounds": list(bounds),
+            "dry_run": self.settings.dry_run,
+            "seconds": round(call.seconds(), 6),
+        }
+
+    def _event(self, call: _Call) -> dict[str, Any]:
+        event = self._base(call)
+        verdict = call.result
+        if verdict is None:
+            error = call.error if call.error is not None else RuntimeError("no verdict")
+            return event | {"decision": None, "acted": False, "error": _describe(error)}
+        event |= {
+            "decision": dict(verdict.decision),
+            "acted": False,
+            "inputs": dict(verdict.inputs),
+        }
+        moves = verdict.bounds is not None and tuple(verdict.bounds) != self._asked[1]
+        if not moves or self.settings.dry_run or verdict.bounds is None:
+            return event
+        try:
+            version = self._commit(tuple(verdict.bounds))
+        except PlanError as exc:  # e.g. the run finished meanwhile: logged, not raised
+            return event | {"error": f"commit refused: {exc}"}
+        gain = verdict.decision.get("predicted_gain_s")
+        self._pending.append(
+            _Pending(self._asked[0], version, float(gain) if gain is not None else None)
+        )
+        return event | {"acted": True, "version": version}
+
+    def _repartition(self, bounds: tuple[int, ...]) -> int:
+        return repartition(self.run.root, bounds).version
+
+    # ------------------------------------------------------------------ outcomes
+    def _outcomes(self) -> list[dict[str, Any]]:
+        adopted = adoptions(self.run)
+        window, out, still = self.settings.window, [], []
+        for p in self._pending:
+            switched = adopted.get(p.version)
+            if switched is None and max(adopted, default=0) > p.version:
+                out.append(self._outcome(p, None, None, None))  # rolled back
+            elif switched is not None and self._latest >= switched + window - 1:
+                before = self._median(switched - window, switched - 1)
+                after = self._median(switched, switched + window - 1)
+                out.append(self._outcome(p, switched, before, after))
+            else:
+                still.append(p)
+        self._pending = still
+        return out
+
+    def _median(self, first: int, last: int) -> float | None:
+        times = [self._times[i] for i in range(first, last + 1) if i in self._times]
+        return statistics.median(times) if times else None
+
+    @staticmethod
+    def _outcome(
+        p: _Pending, switched: int | None, before: float | None, after: float | None
+    ) -> dict[str, Any]:
+        realised = before - after if before is not None and after is not None else None
+        return {
+            "event": "decision_outcome",
+            "iteration": p.iteration,
+            "version": p.version,
+            "switched_at": switched,
+            "before_s": before,
+            "after_s": after,
+            "predicted_gain_s": p.predicted_gain_s,
+            "realised_gain_s": realised,
+        }
+
+
+def _describe(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 500 else text[:497] + "..."

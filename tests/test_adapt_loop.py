@@ -1,0 +1,345 @@
+"""The manager's decision loop (`adaptipe.runtime.adapt_loop`) with the threshold
+controller live (`adaptipe.controllers.live`): ``[adapt]``'s controller fields are
+checked; on synthetic telemetry with stage 1 slowed it decides, commits a plan version
+moving layers off stage 1, and later reports the realised gain; dry-run logs without
+committing; a controller that raises or hangs is logged and never holds up the poll; and
+a real two-stage run with a slowdown injected on stage 1 moves layers away from it live."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaptipe.controllers.live import decider as live_decider
+from adaptipe.controllers.live import from_settings
+from adaptipe.controllers.threshold import Threshold
+from adaptipe.errors import PlanError
+from adaptipe.monitor.report import _decisions_html, make_report
+from adaptipe.monitor.runlog import load_run
+from adaptipe.monitor.schema import Record, StageStats
+from adaptipe.monitor.timeline import run_marks
+from adaptipe.plan.partition import Partition
+from adaptipe.runtime.adapt_config import AdaptSection
+from adaptipe.runtime.adapt_loop import AdaptLoop, Verdict
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import prepare, train
+from adaptipe.runtime.planversion import current_version, read_active, record_adoption
+from adaptipe.runtime.repartition import repartition
+from adaptipe.runtime.rundir import RunDir
+
+LAYER_S = 0.002  # every synthetic layer's forward; backward twice that
+ONSET = 8  # stage 1 runs 3x slower from this iteration on
+
+
+def _adapt(**fields: Any) -> AdaptSection:
+    base = {"controller": "threshold", "check_every": 2, "window": 4, "patience": 1}
+    return AdaptSection(**(base | fields))
+
+
+def _stats(it: int, stage: int, bounds: Sequence[int], slow: float) -> StageStats:
+    first, count = bounds[stage], bounds[stage + 1] - bounds[stage]
+    compute = 3 * LAYER_S * count * slow
+    return StageStats(
+        run_id="r",
+        stage=stage,
+        iteration=it,
+        time_s=1000.0 + it,
+        first_layer=first,
+        forward_s=(LAYER_S * slow,) * count,
+        backward_s=(2 * LAYER_S * slow,) * count,
+        compute_s=compute,
+        wait_s=0.0,
+        comm_s=0.0,
+        iteration_s=compute,
+    )
+
+
+class _Telemetry:
+    """Synthetic stage_stats, iteration by iteration, for the loop to read."""
+
+    def __init__(self, bounds: Sequence[int] = (0, 3, 6)) -> None:
+        self.bounds, self.records, self.next = tuple(bounds), list[Record](), 0
+
+    def run(self, loop: AdaptLoop, upto: int) -> list[dict[str, Any]]:
+        """Report iterations up to ``upto`` (stage 1 slowed from ONSET on), polling the
+        loop after each and waiting out any call it starts; the events it logged."""
+        events = []
+        while self.next <= upto:
+            it, self.next = self.next, self.next + 1
+            stats = [
+                _stats(it, s, self.bounds, 3.0 if s == 1 and it >= ONSET else 1.0) for s in (0, 1)
+            ]
+            self.records += stats
+            events += loop.poll(
+                [{"iteration": it, "iteration_s": max(r.iteration_s for r in stats)}]
+            )
+            events += _drain(loop)
+        return events
+
+
+def _drain(loop: AdaptLoop, timeout_s: float = 10.0) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout_s
+    while loop._call is not None and not loop._call.timed_out and time.monotonic() < deadline:
+        time.sleep(0.005)
+        events += loop.poll([])
+    return events
+
+
+@pytest.fixture
+def run(make_config: Callable[..., RunConfig]) -> RunDir:
+    run, _ = prepare(make_config(train={"iterations": 100}))
+    return run
+
+
+def _loop(run: RunDir, tele: _Telemetry, settings: AdaptSection, decider: Any = None) -> AdaptLoop:
+    cfg = replace(run.read_config(), adapt=settings)
+    chosen = decider if decider is not None else live_decider(run, cfg)
+    return AdaptLoop(run, settings, chosen, lambda: list(tele.records))
+
+
+def test_controller_fields_are_read_checked_and_round_trip(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = make_config(adapt={"controller": "threshold", "patience": 2, "dry_run": True})
+    assert cfg.adapt.controller == "threshold" and cfg.adapt.patience == 2 and cfg.adapt.dry_run
+    assert (cfg.adapt.check_every, cfg.adapt.window, cfg.adapt.margin) == (4, 8, 0.10)
+    assert (cfg.adapt.cooldown, cfg.adapt.max_per_hour, cfg.adapt.horizon) == (20, 6, 100)
+    assert cfg.adapt.decide_timeout_s == 5.0 and AdaptSection().controller == "none"
+    again = RunConfig.from_dict(cfg.to_dict(), source="again.toml")
+    assert again.adapt == cfg.adapt
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"controller": "ppo"}, r"test.toml: \[adapt\].controller must be one of none, threshold"),
+        ({"check_every": 0}, r"test.toml: \[adapt\].check_every must be >= 1 \(got 0\)"),
+        ({"window": "8"}, r"test.toml: \[adapt\].window must be an integer"),
+        ({"margin": -0.1}, r"test.toml: \[adapt\].margin must be >= 0 and < 10 \(got -0.1\)"),
+        ({"patience": 0}, r"test.toml: \[adapt\].patience must be >= 1"),
+        ({"cooldown": -1}, r"test.toml: \[adapt\].cooldown must be >= 0"),
+        ({"max_per_hour": 0}, r"test.toml: \[adapt\].max_per_hour must be >= 1"),
+        ({"dry_run": "yes"}, r"test.toml: \[adapt\].dry_run must be true or false"),
+        ({"decide_timeout_s": 0}, r"test.toml: \[adapt\].decide_timeout_s must be > 0"),
+        ({"every": 3}, r"test.toml: unknown field \[adapt\].every \(allowed: method, .*horizon"),
+    ],
+)
+def test_bad_controller_fields_name_file_field_and_what_is_allowed(
+    make_config: Callable[..., RunConfig], fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(PlanError, match=message):
+        make_config(adapt=fields)
+
+
+def test_a_controller_is_refused_without_telemetry_or_with_an_async_schedule(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    with pytest.raises(PlanError, match=r"decides from telemetry, and \[train\].telemetry = false"):
+        make_config(adapt={"controller": "threshold"}, train={"telemetry": False})
+    with pytest.raises(PlanError, match=r"'threshold' needs a synchronous schedule .*'pipedream'"):
+        make_config(adapt={"controller": "threshold"}, pipeline={"schedule": "pipedream"})
+    make_config(adapt={"controller": "none"}, train={"telemetry": False})  # nothing to feed
+
+
+def test_the_threshold_settings_come_from_adapt() -> None:
+    controller = from_settings(_adapt(margin=0.3, patience=5, horizon=7))
+    assert isinstance(controller, Threshold)
+    assert (controller.settings.margin, controller.settings.patience) == (0.3, 5)
+    assert controller.settings.horizon == 7 and from_settings(AdaptSection()).name == "none"
+
+
+def test_a_slow_stage_1_gets_a_committed_move_and_its_realised_gain(run: RunDir) -> None:
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt())
+    early = tele.run(loop, ONSET - 1)
+    decisions = [e for e in early if e["event"] == "decision"]
+    assert decisions and not any(e["acted"] for e in decisions)  # the baseline, balanced
+    assert current_version(run) == 0
+    events = tele.run(loop, ONSET + 6)
+    moved = [e for e in events if e["event"] == "decision" and e["acted"]]
+    assert len(moved) == 1, events
+    move = moved[0]
+    bounds = move["decision"]["bounds"]
+    assert move["bounds"] == [0, 3, 6] and bounds[1] > 3 and move["version"] == 1
+    assert move["inputs"]["slowdowns"][1] > 1.5 > move["inputs"]["slowdowns"][0]
+    assert move["inputs"]["measured_ms"] > move["inputs"]["predicted_best_ms"]
+    assert move["decision"]["predicted_gain_s"] > 0 and not move["dry_run"]
+    committed = read_active(run, current_version(run)).partition
+    assert current_version(run) == 1 and committed is not None
+    assert list(committed.bounds) == bounds
+    # No decision while the move is committed and not adopted.
+    calls = loop.calls
+    assert tele.run(loop, ONSET + 12) == [] and loop.calls == calls
+    # The workers take it on; stage 1 is relieved: the outcome reports the gain.
+    switched = tele.next
+    record_adoption(run, 1, switched)
+    tele.bounds = tuple(bounds)
+    after = tele.run(loop, switched + 5)
+    outcome = [e for e in after if e["event"] == "decision_outcome"]
+    assert len(outcome) == 1 and outcome[0]["switched_at"] == switched
+    assert outcome[0]["iteration"] == move["iteration"] and outcome[0]["version"] == 1
+    assert outcome[0]["realised_gain_s"] == pytest.approx(
+        outcome[0]["before_s"] - outcome[0]["after_s"]
+    )
+    assert outcome[0]["realised_gain_s"] > 0, json.dumps([move, outcome])
+
+
+def test_dry_run_logs_the_move_and_commits_nothing(run: RunDir) -> None:
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(dry_run=True))
+    events = tele.run(loop, ONSET + 6)
+    asked = [e for e in events if e["event"] == "decision" and e["decision"]["bounds"]]
+    assert asked and all(e["dry_run"] and not e["acted"] for e in asked)
+    assert "version" not in asked[0] and current_version(run) == 0
+
+
+class _Raises:
+    name = "broken"
+
+    def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
+        raise ValueError("no idea")
+
+
+class _Sleeps:
+    name = "slow"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.entered = seconds, 0
+
+    def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
+        self.entered += 1
+        time.sleep(self.seconds)
+        return Verdict(bounds=(0, 1, 6), decision={"bounds": [0, 1, 6], "reason": "late"})
+
+
+def test_a_controller_that_raises_is_an_error_event_and_the_loop_goes_on(run: RunDir) -> None:
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(), decider=_Raises())
+    t0 = time.monotonic()
+    events = tele.run(loop, 9)
+    errors = [e for e in events if e["event"] == "decision"]
+    assert len(errors) == loop.calls == 4  # at iterations 3, 5, 7, 9: every check
+    assert all(e["error"] == "ValueError: no idea" and not e["acted"] for e in errors)
+    assert all(e["controller"] == "broken" and e["decision"] is None for e in errors)
+    assert time.monotonic() - t0 < 5 and current_version(run) == 0
+
+
+def test_a_hung_controller_times_out_and_is_not_called_again_while_it_runs(
+    run: RunDir,
+) -> None:
+    tele = _Telemetry()
+    slow = _Sleeps(1.5)
+    loop = _loop(run, tele, _adapt(decide_timeout_s=0.2), decider=slow)
+    events = tele.run(loop, 3)  # the first check starts the call; it times out
+    assert loop.calls == 1
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.8:  # past the timeout, more iterations and checks
+        start = time.monotonic()
+        events += tele.run(loop, tele.next)
+        assert time.monotonic() - start < 0.1  # the poll never waits for the call
+        time.sleep(0.05)
+    assert [e["error"] for e in events if e["event"] == "decision"] == [
+        "timed out after 0.2 s (decide_timeout_s); its answer will be dropped and no "
+        "other call starts until it returns"
+    ]
+    assert loop.calls == slow.entered == 1
+    time.sleep(1.0)  # it returns: its late move is dropped, the next check calls again
+    late = tele.run(loop, tele.next + 2)
+    assert loop.calls == 2 and not any(e.get("acted") for e in late)
+    assert current_version(run) == 0
+
+
+def test_no_check_while_a_plan_change_is_in_flight(run: RunDir) -> None:
+    repartition(run.root, [0, 2, 6])  # committed, never adopted
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(), decider=_Raises())
+    assert tele.run(loop, 12) == [] and loop.calls == 0
+
+
+def test_a_controller_without_its_decider_is_refused_before_workers_start(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    with pytest.raises(PlanError, match=r"needs its decider: pass decider=adaptipe.controllers"):
+        train(make_config(adapt={"controller": "threshold"}))
+
+
+def _control(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "control.jsonl").read_text().splitlines()]
+
+
+def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    scenario = tmp_path / "slow.toml"
+    scenario.write_text(
+        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
+    )
+    cfg = make_config(
+        model={"config": {"hidden": 192, "num_samples": 4096}},
+        data={"batch_size": 64},
+        train={"iterations": 60},
+        adapt={
+            "controller": "threshold",
+            "check_every": 2,
+            "window": 4,
+            "patience": 2,
+            "cooldown": 1000,
+        },
+    )
+    train(cfg, inject=scenario, decider=live_decider)
+    events = _control(Path(cfg.train.run_dir))
+    moves = [e for e in events if e["event"] == "decision" and e["acted"]]
+    assert len(moves) == 1, [e for e in events if e["event"] == "decision"]
+    bounds = moves[0]["decision"]["bounds"]
+    assert moves[0]["bounds"] == [0, 3, 6] and bounds[1] > 3  # layers off stage 1
+    assert moves[0]["iteration"] >= 10
+    migrations = [e for e in events if e["event"] == "migration"]
+    assert [(m["bounds"], m["ok"]) for m in migrations] == [(bounds, True)]
+    outcome = [e for e in events if e["event"] == "decision_outcome"]
+    assert [o["switched_at"] for o in outcome] == [migrations[0]["iteration"]]
+    page = make_report(cfg.train.run_dir).read_text()
+    assert "<h2>Decisions</h2>" in page and f"move to {bounds}" in page
+    assert "decision" in {m.kind for m in run_marks(load_run(cfg.train.run_dir), [], 0.0, 1.0)}
+
+
+def test_the_report_lists_decisions_with_their_realised_gain(tmp_path: Path) -> None:
+    move = {"bounds": [0, 4, 6], "reason": "slow stage 1", "predicted_gain_s": 0.012}
+    lines = [
+        {
+            "event": "decision",
+            "iteration": 5,
+            "controller": "threshold",
+            "acted": False,
+            "decision": {"bounds": None, "reason": "within the margin"},
+        },
+        {
+            "event": "decision",
+            "iteration": 9,
+            "controller": "threshold",
+            "acted": True,
+            "decision": move,
+        },
+        {
+            "event": "decision",
+            "iteration": 13,
+            "controller": "threshold",
+            "acted": False,
+            "decision": None,
+            "error": "ValueError: no idea",
+        },
+        {"event": "decision_outcome", "iteration": 9, "realised_gain_s": 0.008},
+    ]
+    (tmp_path / "control.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    page = _decisions_html(tmp_path)
+    rows = [r for r in page.split("<tr>")[2:]]
+    assert len(rows) == 3 and "within the margin" in rows[0] and ">keep<" in rows[0]
+    assert "move to [0, 4, 6]" in rows[1] and ">12.00<" in rows[1] and ">8.00<" in rows[1]
+    assert ">error<" in rows[2] and "ValueError: no idea" in rows[2]
+    assert _decisions_html(tmp_path / "none") == ""
