@@ -1,0 +1,553 @@
+"""Adaptation: how close a controller keeps a pipeline to the best static partition
+when one stage slows down part-way through a run (issue 19, "Must show: Adaptation").
+
+Model: the zoo CNN (``width`` 2: six layers whose boundary tensors shrink from 8 KiB
+to 0.5 KiB a sample as it pools), SGD, batch 64 in 4 micro-batches, 1F1B over 2 stage
+processes with one thread each. A scenario slows stage 1 from iteration ``--onset`` for
+``--duration`` iterations, out of ``--iterations``:
+
+- ``slowdown``: the injector stretches stage 1's compute ``--factor`` times (a clean
+  signal);
+- ``cpu_hog``: spinning processes share stage 1's core (a real one);
+- ``link``: stage 1's link to stage 0, between two namespace hosts (`adaptipe.netbed`,
+  needs root; skipped with the reason otherwise), is shaped to ``--rate`` Mbit/s; the
+  stages run under torchrun and ``adaptipe manage`` as in ``bench_links.py``.
+
+Part 1, the static matrix: every cut point ``[0, k, 6]`` runs the scenario, and each
+phase's throughput (samples/s from ``metrics.jsonl``: samples over the summed spans,
+the first ``--settle`` iterations of a phase left out) is taken as a ratio to the
+initial plan's in the same round; rounds run the cuts in alternating order (this
+machine's speed drifts) and the figures are medians over rounds. The initial plan is
+the best cut before the onset (or ``--initial``). A scenario is valid only when the
+best cut during the injection differs from the one before it and beats the initial
+plan by at least 20%; otherwise it cannot tell a controller from doing nothing, and the
+bench prints ``"valid": false`` with why, and exits 1.
+
+Part 2, the controllers (run only on a valid scenario): the threshold controller
+(``[adapt] controller = "threshold"``) with live migration and with restart-based
+re-partitioning, each in rounds beside the static initial plan and the best static
+cuts of the phases. Per run and phase: throughput over the whole phase against the
+best static cut's for that phase in the same round, and the iterations from the onset
+(and from the end) until the rolling mean of ``--window`` iteration spans stays within
+10% of that cut's mean span. Target: within 10% of the best static partition within
+10 iterations of the onset. Where the installed runtime has no ``[adapt].controller``
+yet, part 2 says so instead of running.
+
+Prints one JSON object.
+
+    python bench/bench_adaptive.py [--scenarios slowdown,cpu_hog,link] [--rounds 2]
+        [--iterations 80] [--onset 20] [--duration 40] [--factor 3] [--hog-threads 2]
+        [--rate 40] [--initial K] [--controllers live,restart]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from adaptipe.errors import PlanError
+from adaptipe.runtime import train
+from adaptipe.runtime.config import RunConfig
+
+MODEL = {"name": "cnn", "config": {"width": 2}}
+NUM_LAYERS = 6
+BATCH, MICROBATCHES = 64, 4
+CUTS = tuple(range(1, NUM_LAYERS))  # stage 0 holds layers [0, k), stage 1 [k, 6)
+MIN_GAIN = 0.20  # the best static cut under the injection beats the initial plan by this
+TOLERANCE = 0.10  # "recovered": within 10% of the best static partition's iteration time
+TARGET_ITERATIONS = 10  # ... within 10 iterations of the onset
+# The threshold controller's settings (issue 19's [adapt] fields): checks every 2
+# iterations over a 4-iteration window, two checks in a row, so it can act within the
+# 10-iteration target; a cooldown shorter than the injection so it can move back after.
+CONTROLLER = {
+    "check_every": 2,
+    "window": 4,
+    "margin": 0.10,
+    "patience": 2,
+    "cooldown": 10,
+    "max_per_hour": 60,
+    "horizon": 100,
+}
+
+
+# --- pure helpers (tests/test_bench_adaptive.py) -------------------------------------
+
+
+def phase_ranges(*, iterations: int, onset: int, end: int, warmup: int) -> dict[str, range]:
+    """The iterations of each phase: before the onset (after ``warmup``), during the
+    injection, and after it ends (absent when it lasts to the end of the run)."""
+    if not 0 <= warmup < onset < min(end, iterations):
+        raise ValueError(
+            f"need warmup < onset < end and onset < iterations (got warmup={warmup}, "
+            f"onset={onset}, end={end}, iterations={iterations})"
+        )
+    out = {"before": range(warmup, onset), "during": range(onset, min(end, iterations))}
+    if end < iterations:
+        out["after"] = range(end, iterations)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Spans:
+    """One run's merged metrics: each iteration's span (s) and samples."""
+
+    seconds: Mapping[int, float]
+    samples: Mapping[int, int]
+
+    @classmethod
+    def from_records(cls, records: Sequence[Mapping[str, Any]]) -> Spans:
+        return cls(
+            seconds={int(r["iteration"]): float(r["iteration_s"]) for r in records},
+            samples={int(r["iteration"]): int(r["samples"]) for r in records},
+        )
+
+    def throughput(self, span: range, *, settle: int = 0) -> float:
+        """Samples/s over ``span`` less its first ``settle`` iterations."""
+        its = [i for i in span[settle:] if i in self.seconds]
+        if not its:
+            raise ValueError(f"no iterations recorded in {span} (after {settle} settling)")
+        return sum(self.samples[i] for i in its) / sum(self.seconds[i] for i in its)
+
+    def mean_span(self, span: range, *, settle: int = 0) -> float:
+        its = [i for i in span[settle:] if i in self.seconds]
+        return sum(self.seconds[i] for i in its) / len(its)
+
+
+def recovery(
+    seconds: Mapping[int, float],
+    phase: range,
+    target_s: float,
+    *,
+    tolerance: float = TOLERANCE,
+    window: int = 5,
+) -> int | None:
+    """Iterations from the phase's start to the first iteration after which the rolling
+    mean of ``window`` spans (within the phase) stays at most ``(1 + tolerance) *
+    target_s`` to the phase's end; None when it never does, or only in the phase's last
+    ``window - 1`` iterations (too few to show that it stays)."""
+    limit = target_s * (1 + tolerance)
+    its = [i for i in phase if i in seconds]
+    since: int | None = None  # index into its
+    for n in range(len(its)):
+        recent = its[max(0, n - window + 1) : n + 1]
+        if sum(seconds[i] for i in recent) / len(recent) <= limit:
+            since = n if since is None else since
+        else:
+            since = None
+    if since is None or len(its) - since < window:
+        return None
+    return its[since] - phase.start
+
+
+def relative(
+    rounds: Sequence[Mapping[int, Mapping[str, float]]], *, reference: int
+) -> dict[int, dict[str, float]]:
+    """Per cut and phase, the median over rounds of its throughput over ``reference``'s
+    in the same round."""
+    cuts, phases = rounds[0].keys(), rounds[0][reference].keys()
+    return {
+        c: {p: statistics.median(r[c][p] / r[reference][p] for r in rounds) for p in phases}
+        for c in cuts
+    }
+
+
+def initial_cut(rounds: Sequence[Mapping[int, Mapping[str, float]]]) -> int:
+    """The best cut before the onset (what a planner on the quiet machine would use):
+    ranked by throughput relative to the first cut in the same round, median of rounds."""
+    first = next(iter(rounds[0]))
+    rel = relative(rounds, reference=first)
+    return max(rel, key=lambda c: rel[c]["before"])
+
+
+def validity(
+    rel: Mapping[int, Mapping[str, float]], *, initial: int, min_gain: float = MIN_GAIN
+) -> dict[str, Any]:
+    """Issue 19's rule: the best static cut during the injection must differ from the
+    best before it, and beat the initial plan by at least ``min_gain`` during it.
+
+    Args:
+        rel: per cut and phase, throughput relative to the initial plan (`relative`).
+    """
+    best = {p: max(rel, key=lambda c: rel[c][p]) for p in rel[initial]}
+    gain = rel[best["during"]]["during"] / rel[initial]["during"] - 1
+    why = []
+    if best["during"] == best["before"]:
+        why.append(f"cut {best['before']} is the best static partition both before and during")
+    if gain < min_gain:
+        why.append(
+            f"the best static partition during the injection (cut {best['during']}) beats "
+            f"the initial plan (cut {initial}) by {gain:.1%}, under {min_gain:.0%}"
+        )
+    return {
+        "valid": not why,
+        "why": "; ".join(why) if why else (
+            f"cut {best['during']} beats the initial plan (cut {initial}) by {gain:.1%} "
+            f"during the injection, and cut {best['before']} is best before it"
+        ),
+        "best": best,
+        "gain_over_initial": gain,
+    }  # fmt: skip
+
+
+# --- runs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Setting:
+    """What every run of a scenario shares."""
+
+    scenario: str
+    iterations: int
+    onset: int
+    end: int
+    injection: dict[str, Any]  # one [[inject]] table, less its timing
+    warmup: int = 3
+    settle: int = 3
+    window: int = 5
+    bed: Any = None  # the netbed.Bed of the link scenario
+    state_dir: Path | None = None
+    scratch: Path = field(default_factory=Path)
+
+    @property
+    def phases(self) -> dict[str, range]:
+        return phase_ranges(
+            iterations=self.iterations, onset=self.onset, end=self.end, warmup=self.warmup
+        )
+
+
+def _config(
+    run_dir: Path, s: Setting, cut: int, adapt: Mapping[str, Any] | None = None
+) -> RunConfig:
+    raw: dict[str, Any] = {
+        "model": MODEL,
+        "data": {"batch_size": BATCH, "microbatches": MICROBATCHES},
+        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "pipeline": {"stages": 2, "schedule": "1f1b", "partition": [0, cut, NUM_LAYERS]},
+        "train": {
+            "iterations": s.iterations,
+            "seed": 0,
+            "threads_per_stage": 1,
+            "checkpoint_every": 0,
+            "run_dir": str(run_dir),
+        },
+    }
+    if adapt is not None:
+        raw["adapt"] = dict(adapt)
+    return RunConfig.from_dict(raw, source="bench_adaptive")
+
+
+def _scenario_file(s: Setting, tag: str) -> Path:
+    inj = {**s.injection, "at_iteration": s.onset, "iterations": s.end - s.onset}
+    lines = []
+    if s.bed is not None:
+        lines += [f'bed = "{s.bed.prefix}"', f'state_dir = "{s.state_dir}"']
+    lines.append("[[inject]]")
+    lines += [f"{k} = {json.dumps(v)}" for k, v in inj.items()]
+    path = s.scratch / f"{tag}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(s: Setting, tag: str, cut: int, adapt: Mapping[str, Any] | None = None) -> Path:
+    """Train the scenario on ``[0, cut, 6]``; the run directory."""
+    run_dir = s.scratch / tag
+    config = _config(run_dir, s, cut, adapt)
+    inject = _scenario_file(s, tag)
+    if s.bed is None:
+        train(config, inject=inject)
+    else:
+        _bed_train(s.bed, config, run_dir, inject)
+    return run_dir
+
+
+def _bed_train(bed: Any, config: RunConfig, run_dir: Path, inject: Path) -> None:
+    """The run with one torchrun stage on each of the bed's two hosts, managed (with the
+    scenario) from host 0, as ``bench_links.py`` does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_links import _torchrun
+
+    from adaptipe.runtime.launch import prepare
+    from adaptipe.runtime.managerinfo import read_manager
+
+    head, other = bed.hosts
+    run, _ = prepare(config)
+    manager = head.popen(
+        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--bind", head.address,
+         "--inject", str(inject), "--no-progress", "--json", "--wait-s", "120"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    procs = [manager]
+    try:
+        deadline = time.monotonic() + 60
+        while read_manager(run) is None and time.monotonic() < deadline:
+            if manager.poll() is not None:
+                break
+            time.sleep(0.05)
+        procs += [_torchrun(h, 2, rank, head, run, 1) for rank, h in enumerate((head, other))]
+        deadline = time.monotonic() + 300
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+        if codes != [0] * len(procs):
+            err = manager.stderr.read().decode()[-1500:] if manager.stderr else ""
+            raise RuntimeError(f"{run_dir}: run failed {codes}: {err}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by pid: these are this bench's own processes
+                p.wait()
+
+
+def _spans(run_dir: Path) -> Spans:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return Spans.from_records([json.loads(line) for line in lines if line.strip()])
+
+
+def _phase_throughputs(s: Setting, spans: Spans, *, settle: int) -> dict[str, float]:
+    return {p: spans.throughput(r, settle=settle) for p, r in s.phases.items()}
+
+
+def static_matrix(s: Setting, rounds: int) -> list[dict[int, dict[str, float]]]:
+    """Per round, every cut's steady throughput per phase (cuts in alternating order)."""
+    out = []
+    for r in range(rounds):
+        row = {}
+        for cut in CUTS if r % 2 == 0 else reversed(CUTS):
+            spans = _spans(_run(s, f"static-r{r}-c{cut}", cut))
+            row[cut] = _phase_throughputs(s, spans, settle=s.settle)
+            print(json.dumps({"scenario": s.scenario, "round": r, "cut": cut, **row[cut]}),
+                  file=sys.stderr)  # fmt: skip
+        out.append(dict(sorted(row.items())))
+    return out
+
+
+def controller_missing() -> str | None:
+    """Why this runtime cannot run the threshold controller (None when it can)."""
+    probe = Setting(scenario="probe", iterations=8, onset=4, end=6, injection={})
+    try:
+        _config(Path("unused"), probe, 3, {"method": "live", "controller": "threshold"})
+    except PlanError as exc:
+        return f"this runtime has no [adapt] controller = 'threshold' yet: {exc}"
+    return None
+
+
+def _control_events(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "control.jsonl"
+    events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    decisions = [e for e in events if e.get("event") == "decision"]
+    moves = [e for e in events if e.get("event") == "migration"]
+    acted = [e for e in decisions if e.get("action", e.get("kind")) not in (None, "keep")]
+    return {
+        "decisions": len(decisions),
+        "acting_decisions": [
+            {k: e[k] for k in ("iteration", "bounds", "why") if k in e} for e in acted
+        ],
+        "migrations": [{k: e.get(k) for k in ("iteration", "bounds", "ok")} for e in moves],
+    }
+
+
+def controller_runs(
+    s: Setting, rounds: int, *, initial: int, best: Mapping[str, int], methods: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per round: the static cuts that are best in some phase (the initial plan among
+    them), then each controller method, in alternating order; each method's phases
+    against the same round's best static cut for that phase."""
+    statics = sorted({initial, *best.values()})
+    out = []
+    for r in range(rounds):
+        order: list[tuple[str, int, dict[str, Any] | None]] = [
+            (f"static-{c}", c, None) for c in statics
+        ]
+        order += [
+            (m, initial, {"method": m, "controller": "threshold", **CONTROLLER}) for m in methods
+        ]
+        if r % 2:
+            order.reverse()
+        spans = {
+            name: (_run(s, f"ctl-r{r}-{name}", cut, adapt), adapt) for name, cut, adapt in order
+        }
+        ref = {p: _spans(spans[f"static-{best[p]}"][0]) for p in s.phases}
+        row: dict[str, Any] = {"round": r}
+        for name, (run_dir, adapt) in spans.items():
+            got = _spans(run_dir)
+            entry: dict[str, Any] = {"throughput_vs_best_static": {}, "recovery_iterations": {}}
+            for p, rng in s.phases.items():
+                steady = ref[p].throughput(rng, settle=s.settle)
+                entry["throughput_vs_best_static"][p] = got.throughput(rng) / steady
+                if p != "before":
+                    target = ref[p].mean_span(rng, settle=s.settle)
+                    entry["recovery_iterations"][p] = recovery(
+                        got.seconds, rng, target, window=s.window
+                    )
+            if adapt is not None:
+                entry |= _control_events(run_dir)
+            n = entry["recovery_iterations"]["during"]
+            entry["target_met"] = n is not None and n <= TARGET_ITERATIONS
+            row[name] = entry
+        print(json.dumps({"scenario": s.scenario, **row}), file=sys.stderr)
+        out.append(row)
+    return out
+
+
+# --- the bench -----------------------------------------------------------------------
+
+
+def _medians(rounds: Sequence[Mapping[int, Mapping[str, float]]]) -> dict[int, dict[str, float]]:
+    return {
+        c: {p: statistics.median(r[c][p] for r in rounds) for p in rounds[0][c]} for c in rounds[0]
+    }
+
+
+def _summary(rows: Sequence[Mapping[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+    """Each controller method's medians over rounds (a recovery that never came: None)."""
+    out: dict[str, Any] = {}
+    for m in methods:
+        entries = [row[m] for row in rows]
+        phases = entries[0]["throughput_vs_best_static"]
+        recov = {}
+        for p in entries[0]["recovery_iterations"]:
+            got = [e["recovery_iterations"][p] for e in entries]
+            recov[p] = None if None in got else statistics.median(got)
+        out[m] = {
+            "throughput_vs_best_static": {
+                p: statistics.median(e["throughput_vs_best_static"][p] for e in entries)
+                for p in phases
+            },
+            "recovery_iterations": recov,
+            "target_met_rounds": sum(e["target_met"] for e in entries),
+        }
+    return out
+
+
+def run_scenario(s: Setting, args: argparse.Namespace) -> dict[str, Any]:
+    """Part 1 (static matrix and validity), then part 2 on a valid scenario."""
+    rounds = static_matrix(s, args.rounds)
+    initial = args.initial if args.initial is not None else initial_cut(rounds)
+    rel = relative(rounds, reference=initial)
+    verdict = validity(rel, initial=initial)
+    out: dict[str, Any] = {
+        "injection": s.injection,
+        "initial_cut": initial,
+        "static_samples_per_s": _medians(rounds),
+        "static_vs_initial": rel,
+        **verdict,
+    }
+    if not verdict["valid"]:
+        out["controllers"] = {"skipped": "the scenario is not valid (see why)"}
+        return out
+    missing = controller_missing()
+    methods = [m for m in args.controllers.split(",") if m]
+    skipped = {}
+    if s.bed is not None and "restart" in methods:  # adaptipe manage refuses it
+        methods.remove("restart")
+        skipped["restart"] = "torchrun's workers: `adaptipe manage` cannot restart them"
+    if missing is not None or not methods:
+        out["controllers"] = {"skipped": missing or "no method asked for", **skipped}
+        return out
+    rows = controller_runs(s, args.rounds, initial=initial, best=verdict["best"], methods=methods)
+    out["controllers"] = {"summary": _summary(rows, methods), "rounds": rows, **skipped}
+    return out
+
+
+def _injections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    return {
+        "slowdown": {"kind": "slowdown", "stage": 1, "factor": args.factor},
+        "cpu_hog": {"kind": "cpu_hog", "cores": [1], "threads": args.hog_threads},
+        "link": {"kind": "link_shape", "host": 1, "rate": f"{args.rate:g}mbit"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenarios", default="slowdown,cpu_hog,link")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=80)
+    parser.add_argument("--onset", type=int, default=20)
+    parser.add_argument("--duration", type=int, default=40, help="iterations the injection lasts")
+    parser.add_argument("--factor", type=float, default=3.0, help="slowdown of stage 1")
+    parser.add_argument("--hog-threads", type=int, default=2, help="cpu_hog spinners on core 1")
+    parser.add_argument("--rate", type=float, default=40.0, help="link scenario, Mbit/s")
+    parser.add_argument("--initial", type=int, choices=CUTS, help="initial plan's cut")
+    parser.add_argument("--controllers", default="live,restart")
+    args = parser.parse_args()
+    names = args.scenarios.split(",")
+    injections = _injections(args)
+    unknown = sorted(set(names) - set(injections))
+    if unknown:
+        raise SystemExit(f"unknown scenarios {unknown} (allowed: {', '.join(injections)})")
+    out: dict[str, Any] = {
+        "model": MODEL,
+        "partition": "[0, cut, 6]: stage 0 holds layers [0, cut)",
+        "batch": BATCH,
+        "microbatches": MICROBATCHES,
+        "schedule": "1f1b, 2 stage processes, 1 thread each (stage s on core s)",
+        "iterations": args.iterations,
+        "onset": args.onset,
+        "end": args.onset + args.duration,
+        "rounds": args.rounds,
+        "warmup": 3,
+        "settle": 3,
+        "rolling_window": 5,
+        "controller": {"controller": "threshold", **CONTROLLER},
+        "rule": f"valid: the best static cut differs before/during and beats the initial "
+        f"plan by >= {MIN_GAIN:.0%} during the injection",
+        "target": f"within {TOLERANCE:.0%} of the best static partition within "
+        f"{TARGET_ITERATIONS} iterations of the onset",
+        "load_1_5_15_before": os.getloadavg(),
+        "scenarios": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="adaptipe-adaptive-") as tmp:
+        for name in names:
+            scratch = Path(tmp) / name
+            scratch.mkdir()
+            s = Setting(
+                scenario=name,
+                iterations=args.iterations,
+                onset=args.onset,
+                end=args.onset + args.duration,
+                injection=injections[name],
+                scratch=scratch,
+            )
+            if name != "link":
+                out["scenarios"][name] = run_scenario(s, args)
+            else:
+                out["scenarios"][name] = _on_bed(s, args, Path(tmp))
+    out["load_1_5_15_after"] = os.getloadavg()
+    ran = [v for v in out["scenarios"].values() if "valid" in v]
+    out["valid"] = bool(ran) and all(v["valid"] for v in ran)
+    print(json.dumps(out, indent=2))
+    if not out["valid"]:
+        sys.exit(1)
+
+
+def _on_bed(s: Setting, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The link scenario on a bed of two namespace hosts (skipped, with why, without)."""
+    from dataclasses import replace
+
+    from adaptipe import netbed
+
+    reason = netbed.available()
+    if reason is not None:
+        return {"injection": s.injection, "skipped": f"needs a namespace test bed: {reason}"}
+    prefix = "ba" + secrets.token_hex(2)
+    state = tmp / "netbed"
+    bed = netbed.up(prefix=prefix, hosts=2, state_dir=state)
+    try:
+        return run_scenario(replace(s, bed=bed, state_dir=state), args)
+    finally:
+        netbed.down(prefix=prefix, state_dir=state)
+
+
+if __name__ == "__main__":
+    main()
