@@ -31,7 +31,9 @@ best static cut's for that phase in the same round, and the iterations from the 
 (and from the end) until the rolling mean of 5 iteration spans stays within
 10% of that cut's mean span. Target: within 10% of the best static partition within
 10 iterations of the onset. Where the installed runtime has no ``[adapt].controller``
-yet, part 2 says so instead of running.
+yet, part 2 says so instead of running those. Beside them runs an oracle that knows
+the scenario: scripted live moves (``[[adapt.repartition]]``) to each phase's best
+static cut two iterations after the phase begins, the most a controller can get here.
 
 Prints one JSON object.
 
@@ -76,6 +78,7 @@ TARGET_ITERATIONS = 10  # ... within 10 iterations of the onset
 # The threshold controller's settings (issue 19's [adapt] fields): checks every 2
 # iterations over a 4-iteration window, two checks in a row, so it can act within the
 # 10-iteration target; a cooldown shorter than the injection so it can move back after.
+ORACLE_LAG = 2  # an injection acts from about its second iteration (the manager's lag)
 CONTROLLER = {
     "check_every": 2,
     "window": 4,
@@ -187,6 +190,9 @@ def validity(
     """
     best = {p: max(rel, key=lambda c: rel[c][p]) for p in rel[initial]}
     gain = rel[best["during"]]["during"] / rel[initial]["during"] - 1
+    # How clearly the best cut before the onset won: near 0, noise may pick another.
+    before = sorted((rel[c]["before"] for c in rel), reverse=True)
+    margin = before[0] / before[1] - 1 if len(before) > 1 else None
     why = []
     if best["during"] == best["before"]:
         why.append(f"cut {best['before']} is the best static partition both before and during")
@@ -203,6 +209,7 @@ def validity(
         ),
         "best": best,
         "gain_over_initial": gain,
+        "best_before_margin": margin,
     }  # fmt: skip
 
 
@@ -380,13 +387,29 @@ def _control_events(run_dir: Path) -> dict[str, Any]:
     events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     decisions = [e for e in events if e.get("event") == "decision"]
     moves = [e for e in events if e.get("event") == "migration"]
-    acted = [e for e in decisions if e.get("action", e.get("kind")) not in (None, "keep")]
+    acted = [e for e in decisions if e.get("bounds") is not None]  # a Decision that moves
+    keys = ("iteration", "bounds", "reason", "predicted_gain_s")
     return {
         "decisions": len(decisions),
-        "acting_decisions": [
-            {k: e[k] for k in ("iteration", "bounds", "why") if k in e} for e in acted
-        ],
+        "moves_decided": [{k: e[k] for k in keys if k in e} for e in acted],
         "migrations": [{k: e.get(k) for k in ("iteration", "bounds", "ok")} for e in moves],
+    }
+
+
+def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:
+    """The ``[adapt]`` table of a method: the threshold controller moving live or by a
+    restart, or the oracle, a scripted live move to the best static cut of each phase
+    `ORACLE_LAG` iterations after it begins (what knowing the scenario buys)."""
+    if method != "oracle":
+        return {"method": method, "controller": "threshold", **CONTROLLER}
+    moves = [(s.onset, best["during"])]
+    if "after" in best and best["after"] != best["during"]:
+        moves.append((s.end, best["after"]))
+    return {
+        "method": "live",
+        "repartition": [
+            {"iteration": at + ORACLE_LAG, "bounds": [0, cut, NUM_LAYERS]} for at, cut in moves
+        ],
     }
 
 
@@ -403,9 +426,7 @@ def controller_runs(
         order: list[tuple[str, int, dict[str, Any] | None]] = [
             (f"static-{c}", c, None) for c in statics
         ]
-        order += [
-            (m, initial, {"method": m, "controller": "threshold", **CONTROLLER}) for m in methods
-        ]
+        order += [(m, initial, _adapt(m, s, best)) for m in methods]
         if r % 2:
             order.reverse()
         spans = {
@@ -426,8 +447,8 @@ def controller_runs(
                     )
             if adapt is not None:
                 entry |= _control_events(run_dir)
-            n = entry["recovery_iterations"]["during"]
-            entry["target_met"] = n is not None and n <= TARGET_ITERATIONS
+                n = entry["recovery_iterations"]["during"]
+                entry["target_met"] = n is not None and n <= TARGET_ITERATIONS
             row[name] = entry
         print(json.dumps({"scenario": s.scenario, **row}), file=sys.stderr)
         out.append(row)
@@ -481,17 +502,22 @@ def run_scenario(s: Setting, args: argparse.Namespace, rounds_n: int) -> dict[st
     if not verdict["valid"]:
         out["controllers"] = {"skipped": "the scenario is not valid (see why)"}
         return out
-    missing = controller_missing()
     methods = [m for m in args.controllers.split(",") if m]
-    skipped = {}
+    skipped: dict[str, str] = {}
     if s.bed is not None and "restart" in methods:  # adaptipe manage refuses it
-        methods.remove("restart")
         skipped["restart"] = "torchrun's workers: `adaptipe manage` cannot restart them"
-    if missing is not None or not methods:
-        out["controllers"] = {"skipped": missing or "no method asked for", **skipped}
+    missing = controller_missing()
+    for m in ("live", "restart"):
+        if missing is not None and m in methods:
+            skipped.setdefault(m, missing)
+    methods = [m for m in methods if m not in skipped]
+    if not methods:
+        out["controllers"] = {"skipped": skipped or "no method asked for"}
         return out
     rows = controller_runs(s, rounds_n, initial=initial, best=verdict["best"], methods=methods)
-    out["controllers"] = {"summary": _summary(rows, methods), "rounds": rows, **skipped}
+    out["controllers"] = {"summary": _summary(rows, methods), "rounds": rows}
+    if skipped:
+        out["controllers"]["skipped"] = skipped
     return out
 
 
@@ -517,7 +543,9 @@ def main() -> None:
         "--link-rounds", type=int, default=1, help="rounds of the link scenario (~30 s a run)"
     )
     parser.add_argument("--initial", type=int, choices=CUTS, help="initial plan's cut")
-    parser.add_argument("--controllers", default="live,restart")
+    parser.add_argument(
+        "--controllers", default="live,restart,oracle", help="threshold live/restart; oracle"
+    )
     parser.add_argument(
         "--min-idle", type=float, default=0.8, help="wait before a round until this idle"
     )
