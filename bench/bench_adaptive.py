@@ -376,9 +376,11 @@ def controller_missing() -> str | None:
     """Why this runtime cannot run the threshold controller (None when it can)."""
     probe = Setting(scenario="probe", iterations=8, onset=4, end=6, injection={})
     try:
-        _config(Path("unused"), probe, 3, {"method": "live", "controller": "threshold"})
-    except PlanError as exc:
-        return f"this runtime has no [adapt] controller = 'threshold' yet: {exc}"
+        _config(
+            Path("unused"), probe, 3, {"method": "live", "controller": "threshold", **CONTROLLER}
+        )
+    except PlanError as exc:  # no [adapt].controller yet, or other names for its settings
+        return f"this runtime does not take the threshold controller's [adapt] settings: {exc}"
     return None
 
 
