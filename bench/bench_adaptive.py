@@ -297,11 +297,13 @@ def _bed_train(bed: Any, config: RunConfig, run_dir: Path, inject: Path) -> None
 
     head, other = bed.hosts
     run, _ = prepare(config)
-    manager = head.popen(
-        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--bind", head.address,
-         "--inject", str(inject), "--no-progress", "--json", "--wait-s", "120"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    log = run_dir / "manager.log"
+    with log.open("wb") as sink:
+        manager = head.popen(
+            [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--bind",
+             head.address, "--inject", str(inject), "--no-progress", "--json", "--wait-s", "120"],
+            stdout=subprocess.DEVNULL, stderr=sink,
+        )  # fmt: skip
     procs = [manager]
     try:
         deadline = time.monotonic() + 60
@@ -315,7 +317,7 @@ def _bed_train(bed: Any, config: RunConfig, run_dir: Path, inject: Path) -> None
             time.sleep(0.2)
         codes = [p.poll() for p in procs]
         if codes != [0] * len(procs):
-            err = manager.stderr.read().decode()[-1500:] if manager.stderr else ""
+            err = log.read_text(errors="replace")[-1500:]
             raise RuntimeError(f"{run_dir}: run failed {codes}: {err}")
     finally:
         for p in procs:
