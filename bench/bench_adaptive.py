@@ -391,11 +391,25 @@ def _control_events(run_dir: Path) -> dict[str, Any]:
     events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     decisions = [e for e in events if e.get("event") == "decision"]
     moves = [e for e in events if e.get("event") == "migration"]
-    acted = [e for e in decisions if e.get("bounds") is not None]  # a Decision that moves
-    keys = ("iteration", "bounds", "reason", "predicted_gain_s")
+    # {"event": "decision", "iteration", "bounds" (in force), "decision": Decision.to_json()
+    # or null, "acted", ...} (adaptipe.runtime.adapt_loop)
+    moving = [e for e in decisions if (e.get("decision") or {}).get("bounds") is not None]
+    outcomes = [e for e in events if e.get("event") == "decision_outcome"]
     return {
         "decisions": len(decisions),
-        "moves_decided": [{k: e[k] for k in keys if k in e} for e in acted],
+        "moves_decided": [
+            {
+                "iteration": e.get("iteration"),
+                "to": e["decision"]["bounds"],
+                "acted": e.get("acted"),
+                "predicted_gain_s": e["decision"].get("predicted_gain_s"),
+                "reason": e["decision"].get("reason"),
+            }
+            for e in moving
+        ],
+        "outcomes": [
+            {k: e.get(k) for k in ("iteration", "switched_at", "realised_gain_s")} for e in outcomes
+        ],
         "migrations": [{k: e.get(k) for k in ("iteration", "bounds", "ok")} for e in moves],
     }
 
