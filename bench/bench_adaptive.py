@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from adaptipe.controllers.live import decider as live_decider
 from adaptipe.errors import PlanError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -280,7 +281,8 @@ def _run(s: Setting, tag: str, cut: int, adapt: Mapping[str, Any] | None = None)
     config = _config(run_dir, s, cut, adapt)
     inject = _scenario_file(s, tag)
     if s.bed is None:
-        train(config, inject=inject)
+        adaptive = config.adapt.controller != "none"
+        train(config, inject=inject, decider=live_decider if adaptive else None)
     else:
         _bed_train(s.bed, config, run_dir, inject)
     return run_dir

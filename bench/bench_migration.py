@@ -136,6 +136,57 @@ def _stage_events(run_dir: Path, stage: int, kind: str) -> list[dict[str, Any]]:
     return [e for path in found for e in _lines(path) if e.get("event") == kind]
 
 
+def _link_bandwidth(run_dir: Path) -> float | None:
+    """The telemetry's median smoothed 0 -> 1 link bandwidth (bytes/s)."""
+    samples = [
+        r["bandwidth_Bps"]
+        for r in _lines(run_dir / "telemetry.jsonl")
+        if r.get("type") == "link_sample" and r.get("src") == 0
+    ]
+    return statistics.median(samples) if samples else None
+
+
+def _fit(results: dict[str, Any]) -> dict[str, Any]:
+    """The cost model fitted on every stop-and-copy move measured (`MigrationCost.fit`),
+    and the streamed switch's fixed part (its stall less the last step's log at the
+    fitted efficiency)."""
+    from adaptipe.sim.migration import MigrationCost
+
+    def samples(variant: str) -> list[dict[str, Any]]:
+        return [
+            m
+            for model in results.values()
+            for m in model.get(variant, {}).get("migrations", [])
+            if m.get("ok") and "stall_s" in m
+        ]
+
+    copied = samples("stop_and_copy")
+    out: dict[str, Any] = {
+        "samples": [[m["bytes"], m["bandwidth_Bps"], m["stall_s"]] for m in copied]
+    }
+    try:
+        cost = MigrationCost.fit([(m["bytes"], m["bandwidth_Bps"], m["stall_s"]) for m in copied])
+    except Exception as exc:  # too few or too alike: say so
+        out["error"] = str(exc)
+        return out
+    streamed = samples("streamed")
+    if streamed:
+        per_step = [
+            m["stall_s"]
+            - m["log_bytes"]
+            / max(m["iterations_to_switch"], 1)
+            / (cost.efficiency * m["bandwidth_Bps"])
+            for m in streamed
+        ]
+        cost = MigrationCost(
+            fixed_s=cost.fixed_s,
+            efficiency=cost.efficiency,
+            stream_fixed_s=max(statistics.median(per_step), 0.0),
+        )
+    out["cost"] = cost.to_json()
+    return out
+
+
 def _spare_bandwidth(run_dir: Path) -> float | None:
     """The telemetry's smoothed 0 -> 1 link bandwidth times its idle share (bytes/s)."""
     samples = [
@@ -200,6 +251,12 @@ def _summarise(
         if w["quiet"]
     ]
     spare = _spare_bandwidth(run_dir)
+    link = _link_bandwidth(run_dir)
+    for m, w in zip(moves, windows, strict=True):
+        if link and w["quiet"] and w["switch"] is not None and m.get("bytes"):
+            # (bytes, bandwidth, stall): what the cost model is fitted on
+            m["stall_s"] = w["switch"] - statistics.median(w["quiet"])
+            m["bandwidth_Bps"] = link
     for m in moves:
         m["iterations_to_switch"] = m["switched"] - m["decided"]
         if spare and typical and m.get("bytes"):
@@ -285,6 +342,7 @@ def main() -> None:
             "streaming_slowdown": "< 1.05 with prioritisation on",
         },
         "results": results,
+        "cost_model": _fit(results),
     }
     print(json.dumps(out, indent=2))
 
