@@ -55,7 +55,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,7 +66,10 @@ from typing import Any
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.errors import PlanError
 from adaptipe.runtime import train
+from adaptipe.runtime.bedrun import run_on_bed
 from adaptipe.runtime.config import RunConfig
+
+_PORT = 29521  # the bed runs' torchrun rendezvous
 
 MODEL = {"name": "cnn", "config": {"width": 2}}
 NUM_LAYERS = 6
@@ -290,42 +292,12 @@ def _run(s: Setting, tag: str, cut: int, adapt: Mapping[str, Any] | None = None)
 
 def _bed_train(bed: Any, config: RunConfig, run_dir: Path, inject: Path) -> None:
     """The run with one torchrun stage on each of the bed's two hosts, managed (with the
-    scenario) from host 0, as ``bench_links.py`` does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_links import _torchrun
-
+    scenario) from host 0 (`adaptipe.runtime.bedrun`)."""
     from adaptipe.runtime.launch import prepare
-    from adaptipe.runtime.managerinfo import read_manager
 
-    head, other = bed.hosts
     run, _ = prepare(config)
-    log = run_dir / "manager.log"
-    with log.open("wb") as sink:
-        manager = head.popen(
-            [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root), "--bind",
-             head.address, "--inject", str(inject), "--no-progress", "--json", "--wait-s", "120"],
-            stdout=subprocess.DEVNULL, stderr=sink,
-        )  # fmt: skip
-    procs = [manager]
-    try:
-        deadline = time.monotonic() + 60
-        while read_manager(run) is None and time.monotonic() < deadline:
-            if manager.poll() is not None:
-                break
-            time.sleep(0.05)
-        procs += [_torchrun(h, 2, rank, head, run, 1) for rank, h in enumerate((head, other))]
-        deadline = time.monotonic() + 300
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-        if codes != [0] * len(procs):
-            err = log.read_text(errors="replace")[-1500:]
-            raise RuntimeError(f"{run_dir}: run failed {codes}: {err}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()  # by pid: these are this bench's own processes
-                p.wait()
+    head, other = bed.hosts
+    run_on_bed(run, head, [head, other], port=_PORT, extra=("--inject", str(inject)), timeout_s=300)
 
 
 def _spans(run_dir: Path) -> Spans:

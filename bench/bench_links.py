@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +43,9 @@ from adaptipe.netbed import Bed, Host, LinkShape
 from adaptipe.plan.partition import Partition
 from adaptipe.profile import profile_model
 from adaptipe.profile.link import probe_link
+from adaptipe.runtime.bedrun import run_on_bed
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import prepare
-from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.trace import compare
 
@@ -90,52 +88,13 @@ def _config(run_dir: Path, iterations: int, warmup: int) -> RunConfig:
     )
 
 
-def _torchrun(host: Host, nodes: int, rank: int, head: Host, run: RunDir, per_node: int) -> Any:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(nodes), "--nproc-per-node", str(per_node), "--node-rank", str(rank),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head.address}:{PORT}",
-        "--rdzv-conf", f"is_host={int(host is head)}", "--local-addr", host.address,
-        "--max-restarts", "0",
-        "-m", "adaptipe.runtime.worker", "--run-dir", str(run.root),
-    ]  # fmt: skip
-    iface = "lo" if per_node > 1 else host.interface
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": iface, "OMP_NUM_THREADS": "1"}
-    log = (run.root / f"torchrun-{rank}.log").open("wb")
-    return host.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
 def _train(
-    manager_host: Host, workers: list[Host], bind: str, run_dir: Path, iterations: int, warmup: int
+    manager_host: Host, workers: list[Host], run_dir: Path, iterations: int, warmup: int
 ) -> RunDir:
     """Train the job with one torchrun per host of ``workers`` (one stage each, or both
     stages on a lone host), managed from ``manager_host``; the run directory when done."""
     run, _ = prepare(_config(run_dir, iterations, warmup))
-    manager = manager_host.popen(
-        [sys.executable, "-m", "adaptipe.cli", "manage", str(run.root),
-         "--bind", bind, "--no-progress", "--json", "--wait-s", "120"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    procs = [manager]
-    try:
-        deadline = time.monotonic() + 60
-        while read_manager(run) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        head, per_node = workers[0], 2 // len(workers)
-        for rank, host in enumerate(workers):
-            procs.append(_torchrun(host, len(workers), rank, head, run, per_node))
-        deadline = time.monotonic() + 600
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-        if codes != [0] * len(procs):
-            err = manager.stderr.read().decode()[-1500:] if manager.stderr else ""
-            raise SystemExit(f"run failed {codes}: {err}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    run_on_bed(run, manager_host, workers, port=PORT)
     return run
 
 
@@ -158,7 +117,7 @@ def _measure(
     simulator fed its traced compute times and the measured link."""
     manager, head, other = bed.hosts
     link = probe_link(repeats=5, hosts=(head, other))
-    run = _train(manager, [head, other], manager.address, tmp / tag, iterations, warmup)
+    run = _train(manager, [head, other], tmp / tag, iterations, warmup)
     measured = statistics.median(r["iteration_s"] for r in run.read_metrics()[warmup:])
     partition = run.read_partition()
     unlinked = compare(run, profile)

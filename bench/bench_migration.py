@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -90,6 +91,7 @@ def _config(run_dir: Path, model: str, variant: str, moves: int, every: int) -> 
                 "threads_per_stage": 1,
                 "checkpoint_every": 0,
                 "telemetry": True,
+                "link_telemetry": True,
                 "run_dir": str(run_dir),
             },
             "adapt": adapt,
@@ -147,9 +149,8 @@ def _link_bandwidth(run_dir: Path) -> float | None:
 
 
 def _fit(results: dict[str, Any]) -> dict[str, Any]:
-    """The cost model fitted on every stop-and-copy move measured (`MigrationCost.fit`),
-    and the streamed switch's fixed part (its stall less the last step's log at the
-    fitted efficiency)."""
+    """The cost model fitted on what was measured here (`adaptipe.sim.migration`): the
+    stop-and-copy stall on every such move, the streamed cost on every streamed one."""
     from adaptipe.sim.migration import MigrationCost
 
     def samples(variant: str) -> list[dict[str, Any]]:
@@ -160,29 +161,17 @@ def _fit(results: dict[str, Any]) -> dict[str, Any]:
             if m.get("ok") and "stall_s" in m
         ]
 
-    copied = samples("stop_and_copy")
+    copied, streamed = samples("stop_and_copy"), samples("streamed")
     out: dict[str, Any] = {
-        "samples": [[m["bytes"], m["bandwidth_Bps"], m["stall_s"]] for m in copied]
+        "stop_and_copy": [[m["bytes"], m["bandwidth_Bps"], m["stall_s"]] for m in copied],
+        "streamed": [[m["bytes"], m["lost_s"]] for m in streamed],
     }
     try:
-        cost = MigrationCost.fit([(m["bytes"], m["bandwidth_Bps"], m["stall_s"]) for m in copied])
+        cost = MigrationCost.fit([tuple(x) for x in out["stop_and_copy"]])  # type: ignore[misc]
+        cost = cost.fit_streamed([tuple(x) for x in out["streamed"]])  # type: ignore[misc]
     except Exception as exc:  # too few or too alike: say so
         out["error"] = str(exc)
         return out
-    streamed = samples("streamed")
-    if streamed:
-        per_step = [
-            m["stall_s"]
-            - m["log_bytes"]
-            / max(m["iterations_to_switch"], 1)
-            / (cost.efficiency * m["bandwidth_Bps"])
-            for m in streamed
-        ]
-        cost = MigrationCost(
-            fixed_s=cost.fixed_s,
-            efficiency=cost.efficiency,
-            stream_fixed_s=max(statistics.median(per_step), 0.0),
-        )
     out["cost"] = cost.to_json()
     return out
 
@@ -254,8 +243,11 @@ def _summarise(
     link = _link_bandwidth(run_dir)
     for m, w in zip(moves, windows, strict=True):
         if link and w["quiet"] and w["switch"] is not None and m.get("bytes"):
-            # (bytes, bandwidth, stall): what the cost model is fitted on
-            m["stall_s"] = w["switch"] - statistics.median(w["quiet"])
+            # what the cost model is fitted on: the switch's stall, and the training time
+            # the whole move cost (streaming iterations and switch) over the quiet median
+            quiet = statistics.median(w["quiet"])
+            m["stall_s"] = w["switch"] - quiet
+            m["lost_s"] = sum(x - quiet for x in w["streaming"]) + m["stall_s"]
             m["bandwidth_Bps"] = link
     for m in moves:
         m["iterations_to_switch"] = m["switched"] - m["decided"]
@@ -286,15 +278,31 @@ def _spans(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["iteration_s"] for r in _lines(run_dir / "metrics.jsonl")}
 
 
+def _train(config: RunConfig, bed: Any) -> None:
+    """Train here, or across the two hosts of ``bed`` (torchrun + ``adaptipe manage``)."""
+    if bed is None:
+        train(config)
+        return
+    from adaptipe.runtime.bedrun import run_on_bed
+    from adaptipe.runtime.launch import prepare
+
+    run, _ = prepare(config)
+    head, other = bed.hosts
+    run_on_bed(run, head, [head, other], port=29523)
+
+
 def measure(
-    root: Path, model: str, variants: Sequence[str], args: argparse.Namespace
+    root: Path, model: str, variants: Sequence[str], args: argparse.Namespace, bed: Any = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     streamed_moves: list[dict[str, Any]] | None = None
     for variant in variants:
+        if variant == "restart" and bed is not None:
+            out[variant] = {"skipped": "adaptipe manage cannot restart torchrun's workers"}
+            continue
         moves = args.restart_migrations if variant == "restart" else args.migrations
-        run_dir = root / f"{model}-{variant}"
-        train(_config(run_dir, model, variant, moves, args.every))
+        run_dir = root / f"{model}-{variant}{'-bed' if bed is not None else ''}"
+        _train(_config(run_dir, model, variant, moves, args.every), bed)
         scripted = [WARMUP + args.every * (k + 1) for k in range(moves)]
         if variant == "control":
             if streamed_moves is None:
@@ -311,12 +319,37 @@ def measure(
     return out
 
 
+def _on_bed(root: Path, variants: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Every model again between two namespace hosts whose links are shaped to
+    ``--bed`` (skipped, with why, where this machine cannot make a bed)."""
+    from adaptipe import netbed
+    from adaptipe.netbed import parse_shape
+
+    reason = netbed.available()
+    key = f"bed {args.bed}"
+    if reason is not None:
+        return {key: {"skipped": f"needs a namespace test bed: {reason}"}}
+    prefix, state = "bm" + secrets.token_hex(2), root / "netbed"
+    bed = netbed.up(prefix=prefix, hosts=2, shape=parse_shape(rate=args.bed), state_dir=state)
+    try:
+        return {
+            f"{model} {key}": measure(root, model, variants, args, bed)
+            for model in args.models.split(",")
+        }
+    finally:
+        netbed.down(prefix=prefix, state_dir=state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,gpt-50mb")
     parser.add_argument("--migrations", type=int, default=10)
     parser.add_argument("--restart-migrations", type=int, default=3)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    parser.add_argument(
+        "--bed", default="", help="also run between two namespace hosts at this rate (500mbit)"
+    )
     parser.add_argument(
         "--variants", default="streamed,unprioritised,stop_and_copy,restart,control"
     )
@@ -326,12 +359,17 @@ def main() -> None:
         variants = [v for v in variants if v != "control"] + ["control"]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep if args.keep is not None else Path(tmp)
         for model in args.models.split(","):
-            results[model] = measure(Path(tmp), model, variants, args)
+            results[model] = measure(root, model, variants, args)
+        if args.bed:
+            results.update(_on_bed(root, variants, args))
     out = {
         "setup": {
             "models": {m: MODELS[m] for m in args.models.split(",")},
-            "pipeline": "2 stages, 1F1B, Adam, one thread per stage, loopback",
+            "pipeline": "2 stages, 1F1B, Adam, one thread per stage; loopback, and with "
+            "--bed one stage on each of two namespace hosts whose links are shaped",
+            "bed": args.bed or None,
             "moves": f"bounds {BOUNDS[0]} <-> {BOUNDS[1]} every {args.every} iterations "
             f"after {WARMUP}, {args.migrations} times ({args.restart_migrations} for restart)",
             "variants": {v: VARIANTS[v] for v in variants},

@@ -25,6 +25,7 @@ from adaptipe.errors import PlanError
 from adaptipe.models.data import Dataset, mix_seed
 
 __all__ = [
+    "RNG_LOCK",
     "SPLITS",
     "LayerSpec",
     "ModelSpec",
@@ -42,13 +43,16 @@ ConfigT = TypeVar("ConfigT")
 
 # fork_rng saves and restores the process-wide CPU generator; serialise builds so two
 # threads building layers at once cannot see each other's seeds.
-_BUILD_LOCK = threading.Lock()
+RNG_LOCK = threading.Lock()
+"""Held while this process's default generator is re-seeded: a layer's initialisation
+here, a layer's dropout draws in the runtime (`adaptipe.runtime.slots`), which may run
+on different threads (a streamed migration builds the layers it receives on its own)."""
 
 
 @contextmanager
 def _isolated_init(seed: int) -> Iterator[None]:
     """Seed the CPU RNG for one layer's initialisation, restoring the caller's state after."""
-    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+    with RNG_LOCK, torch.random.fork_rng(devices=[]):
         torch.default_generator.manual_seed(seed)
         default_dtype = torch.get_default_dtype()
         if default_dtype != torch.float32:  # draw the same numbers whatever the caller set

@@ -34,7 +34,7 @@ from adaptipe.monitor.report import make_report
 from adaptipe.monitor.runlog import load_run
 from adaptipe.monitor.schema import StageStats
 from adaptipe.monitor.timeline import run_marks
-from adaptipe.netbed import Bed, Host, LinkShape
+from adaptipe.netbed import Bed, LinkShape
 from adaptipe.netbed.system import namespaces
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.interference import load_interference
@@ -432,7 +432,6 @@ def test_a_delay_shows_in_the_links_qdiscs(bed: Bed, state_dir: Path) -> None:
 # ------------------------------------------------------------------------- the must-show
 STEPS = (("20mbit", None), ("100mbit", 8), ("40mbit", 16))  # rate, at_iteration (None: at 0 s)
 ITERATIONS = 24
-SEND_BUFFER = 65536  # bytes: the hosts' TCP send buffers (net.ipv4.tcp_wmem's maximum)
 
 
 def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
@@ -461,20 +460,6 @@ def _config(make_config: Callable[..., RunConfig], run_dir: Path) -> RunConfig:
             "run_dir": str(run_dir),
         },
     )
-
-
-def _small_send_buffers(hosts: tuple[Host, ...]) -> None:
-    """Cap the hosts' TCP send buffers (per namespace) at `SEND_BUFFER`.
-
-    A link sample times a send from post to completion, and a gloo send completes once
-    its bytes are in the socket's send buffer, which Linux grows to 4 MiB: a whole
-    iteration's activations fit, so every send completes at once and a 20 Mbit/s link
-    measured hundreds of MB/s. With a 64 KiB buffer a send of 0.5 MiB completes only once
-    the link has carried most of it, which is what the samples are meant to see.
-    """
-    for host in hosts:
-        limit = f"net.ipv4.tcp_wmem=4096 16384 {SEND_BUFFER}"
-        host.run(["sysctl", "-q", "-w", limit], timeout=10, check=True)
 
 
 def _managed_run(bed: Bed, run: RunDir, scenario: Path) -> dict[str, Any]:
@@ -525,7 +510,13 @@ def test_bandwidth_steps_mid_run_show_in_link_samples_and_on_the_report(
     make_config: Callable[..., RunConfig], tmp_path: Path, bed: Bed, state_dir: Path
 ) -> None:
     run, _ = prepare(_config(make_config, tmp_path / "run"))
-    _small_send_buffers(bed.hosts[1:])
+    # A link sample times a send from post to completion, and a gloo send completes once
+    # its bytes are in the socket's buffer (Linux grows it to 4 MiB): the bed caps the
+    # hosts' send buffers, so a 0.5 MiB send completes about when it has crossed.
+    for host in bed.hosts[1:]:
+        wmem = host.run(["sysctl", "-n", "net.ipv4.tcp_wmem"], timeout=10, check=True,
+                        capture_output=True, text=True).stdout  # fmt: skip
+        assert wmem.split()[-1] == str(netbed.SEND_BUFFER)
     scenario = tmp_path / "steps.toml"
     entries = [
         {"kind": "link_shape", **({"at_s": 0} if at is None else {"at_iteration": at}), "rate": r}

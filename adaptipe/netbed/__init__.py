@@ -11,12 +11,13 @@ See docs/multi-host.md, "A test bed of namespace hosts".
 from __future__ import annotations
 
 from adaptipe.netbed.bed import SUBNET, Bed, Host
-from adaptipe.netbed.lifecycle import down, load, shape, state_path, up
+from adaptipe.netbed.lifecycle import SEND_BUFFER, down, load, shape, state_path, up
 from adaptipe.netbed.parse import parse_shape
 from adaptipe.netbed.shape import LinkShape
 from adaptipe.netbed.system import available
 
 __all__ = [
+    "SEND_BUFFER",
     "SUBNET",
     "Bed",
     "Host",

@@ -35,7 +35,7 @@ from adaptipe.netbed.system import (
 )
 from adaptipe.serial import load_json_file, write_json
 
-__all__ = ["STATE_DIR_ENV", "down", "load", "shape", "state_path", "up"]
+__all__ = ["SEND_BUFFER", "STATE_DIR_ENV", "down", "load", "shape", "state_path", "up"]
 
 STATE_DIR_ENV = "ADAPTIPE_NETBED_DIR"
 _DEFAULT_STATE_DIR = Path("/run/adaptipe-netbed")
@@ -47,6 +47,10 @@ def state_path(prefix: str, state_dir: str | os.PathLike[str] | None = None) -> 
     """Where the bed with ``prefix`` is described: ``<state_dir>/<prefix>.json``."""
     folder = state_dir or os.environ.get(STATE_DIR_ENV) or _DEFAULT_STATE_DIR
     return Path(folder) / f"{check_prefix(prefix)}.json"
+
+
+SEND_BUFFER = 64 << 10
+"""The bed hosts' TCP send buffer cap, bytes (see `up`)."""
 
 
 def _require(*, netem: bool, why: str = "") -> None:
@@ -62,9 +66,15 @@ def up(
     shape: LinkShape = _UNSHAPED,
     cpus_per_host: int = 1,
     state_dir: str | os.PathLike[str] | None = None,
+    send_buffer: int | None = SEND_BUFFER,
 ) -> Bed:
     """Build a bed of ``hosts`` hosts with every link shaped to ``shape``, and return its
     description; the function `shape` reshapes one host's link later.
+
+    Each host's TCP send buffers are capped at ``send_buffer`` bytes (None: the
+    system's, up to 4 MiB): a send then completes about when its bytes have crossed the
+    shaped link, so the runtime's link samples (send post to completion) see the shaped
+    rate rather than the speed of filling a buffer.
 
     Host ``i`` is pinned to core ``i % ncpu`` of the cores this process may use (with
     ``cpus_per_host`` > 1, to that many cores in turn). A failure part-way removes what
@@ -78,6 +88,8 @@ def up(
     down(prefix=prefix, state_dir=state_dir)
     try:
         _build(bed)
+        if send_buffer is not None:
+            _cap_send_buffers(bed, send_buffer)
         for host in bed.hosts:
             _apply(bed, host, host.shape)
         write_json(state_path(prefix, state_dir), bed.to_json())
@@ -108,6 +120,15 @@ def _build(bed: Bed) -> None:
         ]
     for argv in commands:
         run_command(argv)
+
+
+def _cap_send_buffers(bed: Bed, limit: int) -> None:
+    """``net.ipv4.tcp_wmem`` (per network namespace) with ``limit`` as its maximum."""
+    if limit < 4096:
+        raise PlanError(f"a host's TCP send buffer needs at least 4096 bytes (got {limit})")
+    wmem = f"net.ipv4.tcp_wmem=4096 {min(16384, limit)} {limit}"
+    for h in bed.hosts:
+        run_command(["ip", "netns", "exec", h.namespace, "sysctl", "-q", "-w", wmem])
 
 
 def _apply(bed: Bed, host: Host, link: LinkShape) -> None:

@@ -123,6 +123,7 @@ class PlanSwitch:
                 chunk_bytes=adapt.chunk_bytes,
                 prioritise=adapt.prioritise,
                 timeout_s=adapt.timeout_s,
+                idle_cpu=self.stage.device.type == "cuda",  # a CPU stage's core never idles
             ),
             busy=self.transport.sending,
             group=self.follower.group,

@@ -11,7 +11,6 @@ holds it or which layers ran before it, and a recomputed forward draws the same 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from adaptipe.models.data import mix_seed
+from adaptipe.models.spec import RNG_LOCK
 
 __all__ = ["LayerSlot", "draws_random", "layer_seed"]
 
@@ -33,8 +33,9 @@ _DROPOUT = (
 
 
 # The draws go through the process-wide generator (nn.Dropout takes no generator): stages
-# run as threads of one process (`adaptipe.runtime.local_transport`) take turns.
-_DRAW_LOCK = threading.Lock()
+# run as threads of one process (`adaptipe.runtime.local_transport`) take turns, and so
+# do layers being built on another thread (a streamed migration's copies).
+_DRAW_LOCK = RNG_LOCK
 
 
 def draws_random(module: nn.Module) -> list[str]:

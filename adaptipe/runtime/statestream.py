@@ -14,6 +14,9 @@ beside the process group, and yields three ways:
 - **on the CPU**: the socket's I/O thread runs at idle scheduling priority
   (``SCHED_IDLE`` through ``zmq.THREAD_SCHED_POLICY``; a Python thread at idle priority
   could be descheduled holding the GIL and stall the stage, the I/O thread holds none).
+  Only where the CPU has idle time to give: ``idle_cpu=False`` keeps it at normal
+  priority for stages that compute on the CPU, whose core is never idle while they
+  train (there an idle-priority thread starved and a 100 MB move never finished).
 
 Each chunk carries the stream id, its index, the chunk count and the SHA-256 of its
 bytes; the receiver checks every chunk and the whole payload's digest, and a stream
@@ -154,6 +157,7 @@ class StateSender:
         busy: Callable[[], bool] = lambda: False,
         poll_s: float = 0.0005,
         prioritise: bool = True,
+        idle_cpu: bool = True,
         curve: CurveKeys | None = None,
     ) -> None:
         check_address(address, curve)
@@ -161,7 +165,7 @@ class StateSender:
             raise StreamError(f"chunk_bytes must be >= 1 (got {chunk_bytes})")
         self.chunk_bytes, self.prioritise = chunk_bytes, prioritise
         self._busy, self._poll_s = busy, poll_s
-        self._ctx = _context(prioritise)
+        self._ctx = _context(prioritise and idle_cpu)
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, 4)  # a few chunks queued: pacing stays real
@@ -175,8 +179,11 @@ class StateSender:
             self._sock.curve_secretkey = curve.client_secret
         self._sock.connect(address)
 
-    def send(self, stream: int, payload: bytes, *, timeout_s: float = 60.0) -> StreamReport:
-        """Send ``payload`` as stream ``stream``; returns when every chunk is queued."""
+    def send(
+        self, stream: int, payload: bytes, *, timeout_s: float = 60.0, corrupt: bool = False
+    ) -> StreamReport:
+        """Send ``payload`` as stream ``stream``; returns when every chunk is queued.
+        ``corrupt`` flips a byte of the first chunk after its digest is taken (a drill)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         view = memoryview(payload)
@@ -184,7 +191,7 @@ class StateSender:
         count = max(1, -(-len(payload) // size))
         yielded = 0.0
         for index in range(count):
-            chunk = bytes(view[index * size : (index + 1) * size])
+            chunk = view[index * size : (index + 1) * size]  # sent without a copy
             if self.prioritise:
                 waited = time.monotonic()
                 while self._busy():
@@ -198,7 +205,11 @@ class StateSender:
             left_ms = int(max(deadline - time.monotonic(), 0) * 1000)
             if not self._sock.poll(left_ms, zmq.POLLOUT):
                 raise StreamError(f"stream {stream}: chunk {index} not sent in {timeout_s} s")
-            self._sock.send_multipart([header, chunk])
+            if corrupt and index == 0:
+                flipped = bytearray(chunk)
+                flipped[len(flipped) // 2] ^= 0xFF
+                chunk = memoryview(bytes(flipped))
+            self._sock.send_multipart([header, chunk], copy=False)
         return StreamReport(count, len(payload), time.monotonic() - t0, yielded)
 
     def close(self) -> None:

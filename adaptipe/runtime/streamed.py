@@ -22,6 +22,13 @@ Any failure before the switch (a chunk's checksum, a sender's error, the whole m
 taking longer than ``timeout_s``) is a non-event, as in stop-and-copy: the copies are
 dropped and training goes on on the old partition.
 
+The receiving thread builds the copies and replays the steps itself (torch's kernels
+leave the GIL, and nothing trains on the copies before the switch). Both threads run
+at normal priority: at nice 19 they starved behind the stage on its one core here and
+a move never caught up (measured, bench/bench_migration.py). What yields is the chunks
+(to the stage's own sends), the packets (TOS 0x08) and, on stages that compute on a
+GPU, the socket's I/O thread (`SCHED_IDLE`: a CPU stage's core is never idle).
+
 The replay is exact because the receiver runs the sender's own update: the same
 optimizer class and settings on the same state, fed the gradients the sender stepped
 with. That holds for one-job runs with synchronous schedules (an asynchronous schedule
@@ -33,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import ipaddress
 import json
 import os
@@ -73,11 +79,13 @@ _BACKLOG = 8  # logged steps a sender may hold before the move fails (memory sta
 class StreamSettings:
     """``chunk_bytes``: the state channel's chunk; ``prioritise``: yield to the stage's
     sends, TOS 0x08, idle I/O thread (off only to measure what it buys); ``timeout_s``:
-    the whole move, from the first boundary to the switch."""
+    the whole move, from the first boundary to the switch; ``idle_cpu``: whether the
+    stage's CPU has idle time for the I/O thread at ``SCHED_IDLE``."""
 
     chunk_bytes: int = 256 << 10
     prioritise: bool = True
     timeout_s: float = 60.0
+    idle_cpu: bool = True  # the channel's I/O thread at SCHED_IDLE (stages on a GPU)
 
 
 class StreamedMove:
@@ -114,7 +122,7 @@ class StreamedMove:
         self._sent: dict[str, float] = {"bytes": 0, "chunks": 0, "yielded_s": 0.0, "log_bytes": 0}
         self._received = 0
         self._stop = threading.Event()
-        self._inbox: queue.Queue[tuple[int, int, bytes] | str] = queue.Queue()
+        self._progress = threading.Condition()  # guards _applied; notified as copies advance
         self._outbox: queue.Queue[tuple[int, int, Callable[[], bytes]] | None] = queue.Queue()
         host = _local_host()
         loopback = ipaddress.ip_address(host).is_loopback
@@ -134,6 +142,7 @@ class StreamedMove:
                     chunk_bytes=settings.chunk_bytes,
                     busy=busy,
                     prioritise=settings.prioritise,
+                    idle_cpu=settings.idle_cpu,
                     curve=_Keys.client_of(public) if public else None,
                 )
         self._threads = [
@@ -155,13 +164,12 @@ class StreamedMove:
         """At a boundary while streaming (every worker): replay what came, then agree on
         READY (switch now: call `switch`), WAIT or FAILED (call `switch`, which fails)."""
         self.boundaries += 1
-        self._drain()
         done = self.stage.steps_done - self.base_step  # steps the receiver must replay
         mine = READY
         if self._error or time.monotonic() - self.started > self.settings.timeout_s:
             mine = FAILED
             self._error = self._error or f"not moved within {self.settings.timeout_s:g} s"
-        elif any(n < done - 1 for n in self._applied.values()):
+        elif self._behind(done) > 1:
             mine = WAIT
         self._status = self._agree(mine)
         return self._status
@@ -176,11 +184,13 @@ class StreamedMove:
         if mine == READY:
             done = self.stage.steps_done - self.base_step
             deadline = self.started + self.settings.timeout_s
-            while not self._error and any(n < done for n in self._applied.values()):
-                if time.monotonic() > deadline:
-                    self._error = f"not moved within {self.settings.timeout_s:g} s"
-                    break
-                self._drain(block_s=0.05)
+            with self._progress:
+                while not self._error and any(n < done for n in self._applied.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._error = f"not moved within {self.settings.timeout_s:g} s"
+                        break
+                    self._progress.wait(min(left, 0.5))
             mine = FAILED if self._error else READY
         agreed = self._agree(mine)
         self.close()
@@ -250,10 +260,8 @@ class StreamedMove:
                 if self._fault == "raise":
                     raise RuntimeError("migration fault injected before sending")
                 body = make()
-                framed = bytearray(hashlib.sha256(body).digest() + body)
-                if self._fault == "corrupt":
-                    framed[len(framed) // 2] ^= 0xFF
-                sent = self._senders[dst].send(stream, bytes(framed), timeout_s=3600.0)
+                corrupt = self._fault == "corrupt"
+                sent = self._senders[dst].send(stream, body, timeout_s=3600.0, corrupt=corrupt)
             except Exception as exc:  # the move fails at the next boundary
                 self._error = f"{type(exc).__name__}: {exc}"
                 return
@@ -269,11 +277,17 @@ class StreamedMove:
             return
         try:
             self._receive_all(self._receiver)
+        except Exception as exc:  # the move fails at the next boundary
+            if not self._stop.is_set():
+                self._error = self._error or f"{type(exc).__name__}: {exc}"
         finally:
             self._receiver.close()
+            with self._progress:
+                self._progress.notify_all()
 
     def _receive_all(self, receiver: StateReceiver) -> None:
-        """Take the incoming streams in order: every move's base, then step by step."""
+        """Take the incoming streams in order (every move's base, then step by step) and
+        apply each to the copies as it comes."""
         n = 0
         while True:
             for k, _ in self.incoming:
@@ -285,35 +299,15 @@ class StreamedMove:
                         break
                     except StreamTimeout:
                         continue
-                    except (StreamError, Exception) as exc:
-                        if not self._stop.is_set():
-                            self._inbox.put(f"{type(exc).__name__}: {exc}")
-                        return
-                self._inbox.put((n, k, data))
+                self._apply(n, k, data)
+                with self._progress:
+                    self._applied[k] = n
+                    self._progress.notify_all()
             n += 1
 
-    def _drain(self, block_s: float = 0.0) -> None:
-        """Replay what has come (on the training thread, at a boundary)."""
-        while not self._error:
-            try:
-                item = self._inbox.get(timeout=block_s) if block_s else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            block_s = 0.0
-            try:
-                self._apply(item)
-            except Exception as exc:
-                self._error = f"{type(exc).__name__}: {exc}"
-
-    def _apply(self, item: tuple[int, int, bytes] | str) -> None:
-        if isinstance(item, str):
-            raise StreamError(item)
-        n, k, framed = item
+    def _apply(self, n: int, k: int, body: bytes) -> None:
         move = self.moves[k]
-        body = framed[32:]
-        if hashlib.sha256(body).digest() != framed[:32]:
-            raise StreamError(f"layers {list(move.layers)} from worker {move.src}: checksum")
-        self._received += len(framed)
+        self._received += len(body)
         if n == 0:
             layers, _ = payload_layers(body)
             if tuple(layers) != move.layers:
@@ -323,7 +317,11 @@ class StreamedMove:
                 self._copies[slot.index] = slot
         else:
             _replay(self._copies, move.layers, safetensors.torch.load(body), self.stage.device)
-        self._applied[k] = n
+
+    def _behind(self, done: int) -> int:
+        """How many steps the slowest incoming move's copy lacks of ``done``."""
+        with self._progress:
+            return max((done - n for n in self._applied.values()), default=0)
 
     # ------------------------------------------------------------------ collectives
     def _agree(self, mine: int) -> int:

@@ -2,17 +2,25 @@
 
 A stop-and-copy move (migration part 1) stalls every stage for the time the state
 takes to cross plus a fixed part (agreeing, checking digests, rebuilding the stage,
-the shape handshake): ``stall = fixed_s + bytes / (efficiency x bandwidth)``. The
-simulator and the controllers price a switch with it, the way the runtime pays it;
-`MigrationCost.fit` takes (bytes, link bandwidth, measured stall) triples, such as
-``bench/bench_migration.py`` prints, and fits the two constants by least squares.
+the shape handshake): ``stall = fixed_s + bytes / (efficiency x bandwidth)``.
+
+A streamed move (`adaptipe.runtime.streamed`) stalls the switch only briefly, but the
+iterations it streams through pay for what the stages do to send, check and replay the
+state: ``cost = stream_fixed_s + stream_s_per_byte x (state + one step's log)`` seconds
+of training lost in all. It can only catch up while the gradient log takes at most
+``log_share`` of the link's spare bandwidth.
+
+The simulator and the controllers price a switch with these, the way the runtime pays
+it; `MigrationCost.fit` and `MigrationCost.fit_streamed` take what
+``bench/bench_migration.py`` measures, and `choose_transfer` is the crossover that
+``[adapt] transfer = "auto"`` follows.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptipe.errors import PlanError
@@ -25,19 +33,18 @@ UNMEASURED_BPS = 1e9
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MigrationCost:
-    """``stall_s = fixed_s + bytes / (efficiency x bandwidth)``.
+    """What moves cost (see the module doc).
 
-    The defaults are session 10's stop-and-copy figures for the zoo GPT on loopback
-    (2.38 MB in 13 ms of transfer within a 26-29 ms stall); fit your own with `fit`.
+    The defaults are ``bench/bench_migration.py``'s fit on this 2-core machine (zoo GPT
+    with 4.8 MB and 76 MB of state moving, loopback; docs/benchmarks.md); fit your own
+    with `fit` and `fit_streamed`.
     """
 
-    fixed_s: float = 0.015
-    efficiency: float = 1.0  # share of the link's bandwidth a move achieves
-    # A streamed move (`adaptipe.runtime.streamed`) stalls the switch for its last
-    # logged step: ``stream_fixed_s + log_bytes / (efficiency x bandwidth)``; it can
-    # only catch up when the log takes at most ``log_share`` of the spare bandwidth.
-    stream_fixed_s: float = 0.03
-    log_share: float = 0.5
+    fixed_s: float = 0.019
+    efficiency: float = 1.44  # a move's throughput over the link's measured bandwidth
+    stream_fixed_s: float = 0.030
+    stream_s_per_byte: float = 2.96e-9
+    log_share: float = 0.8
 
     def __post_init__(self) -> None:
         if not (self.fixed_s >= 0 and math.isfinite(self.fixed_s)):
@@ -53,36 +60,51 @@ class MigrationCost:
             raise PlanError(f"bandwidth must be > 0 (got {bandwidth_Bps})")
         return self.fixed_s + nbytes / (self.efficiency * bandwidth_Bps)
 
-    def streamed_stall_s(self, log_bytes: int, bandwidth_Bps: float) -> float:
-        """The seconds a streamed move's switch stalls training (its last logged step)."""
-        if not bandwidth_Bps > 0:
-            raise PlanError(f"bandwidth must be > 0 (got {bandwidth_Bps})")
-        return self.stream_fixed_s + log_bytes / (self.efficiency * bandwidth_Bps)
+    def streamed_s(self, state_bytes: int, log_bytes: int) -> float:
+        """The training seconds a streamed move of ``state_bytes`` (its gradient log
+        ``log_bytes`` a step) costs in all: the streaming iterations' slowdown and the
+        switch."""
+        if state_bytes <= 0:
+            return 0.0
+        return self.stream_fixed_s + self.stream_s_per_byte * (state_bytes + log_bytes)
+
+    def fit_streamed(self, samples: Sequence[tuple[int, float]]) -> MigrationCost:
+        """This model with ``stream_fixed_s`` and ``stream_s_per_byte`` fitted by least
+        squares on ``(bytes streamed, training seconds lost)`` samples of streamed moves."""
+        fixed, slope = _line(
+            [float(b) for b, _ in samples], [s for _, s in samples], "fit_streamed"
+        )
+        return replace(self, stream_fixed_s=max(fixed, 0.0), stream_s_per_byte=slope)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, float, float]]) -> MigrationCost:
         """Least squares over ``(bytes, bandwidth_Bps, stall_s)`` samples: stall against
         bytes / bandwidth, the intercept being ``fixed_s`` (clipped at 0)."""
-        if len(samples) < 2:
-            raise PlanError(f"MigrationCost.fit needs at least 2 samples (got {len(samples)})")
-        xs = [b / bw for b, bw, _ in samples]
-        ys = [s for _, _, s in samples]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        if sxx == 0:
-            raise PlanError("MigrationCost.fit needs samples of different sizes or bandwidths")
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-        if slope <= 0:
-            raise PlanError("MigrationCost.fit: the stall does not grow with the bytes moved")
-        return cls(fixed_s=max(my - slope * mx, 0.0), efficiency=1.0 / slope)
+        fixed, slope = _line([b / bw for b, bw, _ in samples], [s for _, _, s in samples], "fit")
+        return cls(fixed_s=max(fixed, 0.0), efficiency=1.0 / slope)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fixed_s": self.fixed_s,
             "efficiency": self.efficiency,
             "stream_fixed_s": self.stream_fixed_s,
+            "stream_s_per_byte": self.stream_s_per_byte,
             "log_share": self.log_share,
         }
+
+
+def _line(xs: Sequence[float], ys: Sequence[float], what: str) -> tuple[float, float]:
+    """Least squares ``y = a + b x``: (a, b), with b > 0."""
+    if len(xs) < 2:
+        raise PlanError(f"MigrationCost.{what} needs at least 2 samples (got {len(xs)})")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise PlanError(f"MigrationCost.{what} needs samples of different sizes or bandwidths")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    if slope <= 0:
+        raise PlanError(f"MigrationCost.{what}: the cost does not grow with the bytes moved")
+    return my - slope * mx, slope
 
 
 def choose_transfer(
@@ -97,16 +119,14 @@ def choose_transfer(
     """``"streamed"`` or ``"stop_and_copy"`` for a move of ``state_bytes`` whose gradient
     log is ``log_bytes`` a step, over a link of ``bandwidth_Bps`` that the pipeline's own
     traffic keeps busy ``comm_share`` of an ``iteration_s`` iteration: streamed when the
-    log keeps up within the spare bandwidth and its switch stalls less than copying the
-    whole state at the boundary."""
+    log keeps up within the spare bandwidth and streaming costs training less than
+    copying the whole state at the boundary."""
     if state_bytes <= 0 or not bandwidth_Bps > 0:
         return "stop_and_copy"
     spare = bandwidth_Bps * max(1.0 - comm_share, 0.05)
     fits = log_bytes <= cost.log_share * spare * iteration_s
-    faster = cost.streamed_stall_s(log_bytes, bandwidth_Bps) < cost.stall_s(
-        state_bytes, bandwidth_Bps
-    )
-    return "streamed" if fits and faster else "stop_and_copy"
+    cheaper = cost.streamed_s(state_bytes, log_bytes) < cost.stall_s(state_bytes, bandwidth_Bps)
+    return "streamed" if fits and cheaper else "stop_and_copy"
 
 
 def moved_layers(old: Sequence[int], new: Sequence[int]) -> list[int]:
