@@ -83,9 +83,9 @@ TARGET_ITERATIONS = 10  # ... within 10 iterations of the onset
 # 10-iteration target; a cooldown shorter than the injection so it can move back after.
 ORACLE_LAG = 2  # an injection acts from about its second iteration (the manager's lag)
 CONTROLLER = {
-    "check_every": 2,
+    "check_every": 1,
     "window": 4,
-    "margin": 0.10,
+    "margin": 0.20,  # the planner's error between neighbouring cuts here: up to 16%
     "patience": 2,
     "cooldown": 10,
     "max_per_hour": 60,
@@ -257,6 +257,7 @@ def _config(
             "seed": 0,
             "threads_per_stage": 1,
             "checkpoint_every": 0,
+            "link_telemetry": True,  # the controller reads the links (all runs pay it)
             "run_dir": str(run_dir),
         },
     }
@@ -542,6 +543,7 @@ def main() -> None:
         "--min-idle", type=float, default=0.8, help="wait before a round until this idle"
     )
     parser.add_argument("--max-wait-s", type=float, default=120.0)
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     args = parser.parse_args()
     names = args.scenarios.split(",")
     injections = _injections(args)
@@ -574,8 +576,8 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="adaptipe-adaptive-") as tmp:
         for name in names:
-            scratch = Path(tmp) / name
-            scratch.mkdir()
+            scratch = (args.keep if args.keep is not None else Path(tmp)) / name
+            scratch.mkdir(parents=True, exist_ok=True)
             s = Setting(
                 scenario=name,
                 iterations=args.iterations,

@@ -9,10 +9,12 @@ partition DynPipe's planner predicts on the measured slowdowns, and those slowdo
 
 The per-layer baseline is the run's ``profile.json`` when it has one. A run planned
 without a profile (an even or a given partition) has none; profiling the model in the
-manager would compete with the workers for the cores, so the first window the loop
-observes becomes the baseline: per layer, the median of the measured forward and
-backward seconds (bytes unknown: 0, so a move is priced at the cost model's fixed
-stall). Slowdowns are then relative to how the run started.
+manager would compete with the workers for the cores, so the loop measures one: it
+keeps the partition for the first two windows (the first has the warm-up in it) and
+takes the second as the baseline, per layer the median of the measured forward and
+backward seconds. Its bytes (a boundary's activations and gradients per micro-batch,
+parameters and optimizer state) come from the layers' shapes alone, on PyTorch's meta
+device (no compute). Slowdowns are then relative to how the run went before.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from adaptipe.controllers.base import Controller, Keep
@@ -56,15 +59,27 @@ class LiveDecider:
     """Observe, then decide (see the module doc); one call at a time."""
 
     def __init__(
-        self, controller: Controller, profile: Profile | None, *, window: int, workers: int
+        self,
+        controller: Controller,
+        profile: Profile | None,
+        *,
+        window: int,
+        workers: int,
+        sizes: Sequence[LayerProfile] | None = None,
     ) -> None:
         self.controller, self.profile = controller, profile
         self.name = controller.name
-        self.window, self.workers = window, workers
+        self.window, self.workers, self.sizes = window, workers, sizes
 
     def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
         if self.profile is None:
-            self.profile = baseline(records, partition, window=self.window, workers=self.workers)
+            seen = _complete(records, partition, self.workers)
+            if seen < 2 * self.window:  # the first window has the warm-up in it
+                why = f"measuring the baseline: {seen} of {2 * self.window} iterations"
+                return Verdict(bounds=None, decision={"bounds": None, "reason": why})
+            self.profile = baseline(
+                records, partition, window=self.window, workers=self.workers, sizes=self.sizes
+            )
         obs = observe(records, self.profile, partition, window=self.window, workers=self.workers)
         decision = self.controller.decide(obs)
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=inputs(obs))
@@ -80,7 +95,53 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         profile,
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,
+        sizes=layer_sizes(cfg) if profile is None else None,
     )
+
+
+def layer_sizes(cfg: RunConfig) -> list[LayerProfile] | None:
+    """Per layer, the bytes a profile would hold (no times): one micro-batch's output
+    and input gradient, parameters and optimizer state, from shapes on the meta device.
+    None when the model does not run there."""
+
+    from adaptipe.profile.profiler import OPTIMIZER_STATE_FACTOR
+
+    spec = cfg.model.spec()
+    name = cfg.optimizer.name
+    momentum = getattr(cfg.optimizer, "momentum", 0.0) or 0.0
+    factor = OPTIMIZER_STATE_FACTOR["momentum" if name == "sgd" and momentum else name]
+    microbatch = max(cfg.data.batch_size // cfg.data.microbatches, 1)
+    try:
+        x = spec.dataset(split=cfg.data.split).sample_input(microbatch).to("meta")
+        out = []
+        for i in range(spec.num_layers):
+            layer = spec.build_layer(i, seed=0, device="meta")
+            y = layer(x)
+            params = sum(p.numel() * p.element_size() for p in layer.parameters())
+            out.append(
+                LayerProfile(
+                    name=f"layer{i}", kind="measured", forward_s=0.0, backward_s=0.0,
+                    activation_bytes=y.numel() * y.element_size(),
+                    gradient_bytes=x.numel() * x.element_size() if x.is_floating_point() else 0,
+                    saved_bytes=0, param_bytes=params, optimizer_bytes=params * factor,
+                    num_params=sum(p.numel() for p in layer.parameters()),
+                )
+            )  # fmt: skip
+            x = y
+        return out
+    except Exception:  # a layer that needs real data to run: no bytes, as before
+        return None
+
+
+def _complete(records: Sequence[Record], partition: Partition, workers: int) -> int:
+    """How many iterations every stage has reported in ``records``."""
+    from adaptipe.monitor.schema import StageStats
+
+    stages: dict[int, set[int]] = {}
+    for rec in records:
+        if isinstance(rec, StageStats):
+            stages.setdefault(rec.iteration, set()).add(rec.stage)
+    return sum(1 for got in stages.values() if len(got) >= workers)
 
 
 def inputs(obs: Observation) -> dict[str, Any]:
@@ -106,10 +167,15 @@ def inputs(obs: Observation) -> dict[str, Any]:
 
 
 def baseline(
-    records: Sequence[Record], partition: Partition, *, window: int, workers: int
+    records: Sequence[Record],
+    partition: Partition,
+    *,
+    window: int,
+    workers: int,
+    sizes: Sequence[LayerProfile] | None = None,
 ) -> Profile:
     """A profile of measured per-layer seconds: the median over the last ``window``
-    complete iterations in ``records`` (bytes 0; see the module doc)."""
+    complete iterations in ``records``, with ``sizes``' bytes (0 without)."""
     zero = LayerProfile(
         name="",
         kind="measured",
@@ -134,18 +200,14 @@ def baseline(
         seen = [row[layer] for row in rows if math.isfinite(row[layer])]
         return statistics.median(seen) if seen else 0.0
 
+    bytes_of = list(sizes) if sizes is not None else [zero] * partition.num_layers
     layers = tuple(
-        LayerProfile(
+        replace(
+            bytes_of[i],
             name=f"layer{i}",
             kind="measured",
             forward_s=median(obs.measured_forward_s, i),
             backward_s=median(obs.measured_backward_s, i),
-            activation_bytes=0,
-            gradient_bytes=0,
-            saved_bytes=0,
-            param_bytes=0,
-            optimizer_bytes=0,
-            num_params=0,
         )
         for i in range(partition.num_layers)
     )

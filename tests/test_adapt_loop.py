@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from adaptipe.controllers.live import LiveDecider, from_settings, layer_sizes
 from adaptipe.controllers.live import decider as live_decider
-from adaptipe.controllers.live import from_settings
 from adaptipe.controllers.threshold import Threshold
 from adaptipe.errors import PlanError
 from adaptipe.monitor.report import _decisions_html, make_report
@@ -109,7 +109,7 @@ def test_controller_fields_are_read_checked_and_round_trip(
 ) -> None:
     cfg = make_config(adapt={"controller": "threshold", "patience": 2, "dry_run": True})
     assert cfg.adapt.controller == "threshold" and cfg.adapt.patience == 2 and cfg.adapt.dry_run
-    assert (cfg.adapt.check_every, cfg.adapt.window, cfg.adapt.margin) == (4, 8, 0.10)
+    assert (cfg.adapt.check_every, cfg.adapt.window, cfg.adapt.margin) == (4, 8, 0.20)
     assert (cfg.adapt.cooldown, cfg.adapt.max_per_hour, cfg.adapt.horizon) == (20, 6, 100)
     assert cfg.adapt.decide_timeout_s == 5.0 and AdaptSection().controller == "none"
     again = RunConfig.from_dict(cfg.to_dict(), source="again.toml")
@@ -343,3 +343,24 @@ def test_the_report_lists_decisions_with_their_realised_gain(tmp_path: Path) -> 
     assert "move to [0, 4, 6]" in rows[1] and ">12.00<" in rows[1] and ">8.00<" in rows[1]
     assert ">error<" in rows[2] and "ValueError: no idea" in rows[2]
     assert _decisions_html(tmp_path / "none") == ""
+
+
+def test_without_a_profile_the_baseline_skips_the_warm_up_with_bytes_from_shapes(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = make_config()  # the tiny MLP: 4 samples a micro-batch, hidden 16, SGD momentum
+    sizes = layer_sizes(cfg)
+    assert sizes is not None and len(sizes) == 6
+    first = sizes[0]  # Linear(8, 16): its output, its input gradient, its state
+    assert (first.activation_bytes, first.gradient_bytes) == (4 * 16 * 4, 4 * 8 * 4)
+    assert first.param_bytes == (8 * 16 + 16) * 4 == first.optimizer_bytes  # one momentum
+    decider = LiveDecider(Threshold(), None, window=4, workers=2, sizes=sizes)
+    partition = Partition(model="mlp", num_layers=6, bounds=(0, 3, 6))
+    warm = [_stats(it, s, (0, 3, 6), 5.0 if it < 4 else 1.0) for it in range(7) for s in (0, 1)]
+    said = decider(warm, partition)
+    assert said.bounds is None and "measuring the baseline: 7 of 8" in said.decision["reason"]
+    steady = [*warm, *(_stats(7, s, (0, 3, 6), 1.0) for s in (0, 1))]
+    decider(steady, partition)
+    assert decider.profile is not None  # the second window, not the slow first one
+    assert [layer.forward_s for layer in decider.profile.layers] == [LAYER_S] * 6
+    assert decider.profile.layers[0].activation_bytes == first.activation_bytes

@@ -21,7 +21,7 @@
                              # the threshold rule says so (`adaptipe.runtime.adapt_loop`)
     check_every = 4          # iterations between the controller's checks
     window = 8               # iterations each check observes
-    margin = 0.10            # threshold: measured over best predicted, beyond 1
+    margin = 0.20            # threshold: in force over best predicted, beyond 1
     patience = 3             # threshold: consecutive checks over the margin (K)
     cooldown = 20            # threshold: iterations after a move before the next
     max_per_hour = 6         # threshold: at most this many moves an hour
@@ -84,7 +84,7 @@ class AdaptSection:
     controller: str = "none"
     check_every: int = 4
     window: int = 8
-    margin: float = 0.10
+    margin: float = 0.20
     patience: int = 3
     cooldown: int = 20
     max_per_hour: int = 6
@@ -177,7 +177,7 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     }
     for name, (default, low) in _INTS.items():
         out[name] = get_int(raw, name, source=source, prefix=p, minimum=low, default=default)
-    margin = get_float(raw, "margin", source=source, prefix=p, default=0.10)
+    margin = get_float(raw, "margin", source=source, prefix=p, default=0.20)
     if not 0 <= margin < 10:
         raise PlanError(f"{source}: [adapt].margin must be >= 0 and < 10 (got {margin:g})")
     wait = get_float(raw, "decide_timeout_s", source=source, prefix=p, default=5.0)
