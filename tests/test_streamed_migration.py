@@ -166,9 +166,9 @@ def test_the_crossover_streams_large_state_when_the_log_keeps_up() -> None:
     # the bench's two moves: 76 MB of Adam state (a 25 MB log a step) and 4.8 MB (1.6 MB)
     big = {"state_bytes": 75_666_528, "log_bytes": 25_221_192, "iteration_s": 0.43}
     small = {"state_bytes": 4_767_600, "log_bytes": 1_588_224, "iteration_s": 0.13}
-    # over 100 MB/s the big one stalls 0.54 s copied at once and costs 0.33 s streamed
-    assert cost.stall_s(big["state_bytes"], 1e8) == pytest.approx(0.54, abs=0.01)
-    assert cost.streamed_s(big["state_bytes"], big["log_bytes"]) == pytest.approx(0.33, abs=0.01)
+    # over 100 MB/s the big one stalls 0.61 s copied at once and costs 0.41 s streamed
+    assert cost.stall_s(big["state_bytes"], 1e8) == pytest.approx(0.61, abs=0.01)
+    assert cost.streamed_s(big["state_bytes"], big["log_bytes"]) == pytest.approx(0.41, abs=0.01)
     # the cases the rule is for: a big state over a fast link streams, a small one is
     # copied at once, and a log the link cannot carry each step is never streamed
     assert choose_transfer(cost, **big, bandwidth_Bps=1e8, comm_share=0.1) == "streamed"

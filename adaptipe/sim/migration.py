@@ -36,14 +36,14 @@ class MigrationCost:
     """What moves cost (see the module doc).
 
     The defaults are ``bench/bench_migration.py``'s fit on this 2-core machine (zoo GPT
-    with 4.8 MB and 76 MB of state moving, loopback; docs/benchmarks.md); fit your own
-    with `fit` and `fit_streamed`.
+    with 4.8 MB and 76 MB of state moving, loopback; ``bench/results/``,
+    docs/benchmarks.md); fit your own with `fit` and `fit_streamed`.
     """
 
-    fixed_s: float = 0.019
-    efficiency: float = 1.44  # a move's throughput over the link's measured bandwidth
-    stream_fixed_s: float = 0.030
-    stream_s_per_byte: float = 2.96e-9
+    fixed_s: float = 0.0239
+    efficiency: float = 1.30  # a move's throughput over the link's measured bandwidth
+    stream_fixed_s: float = 0.0281
+    stream_s_per_byte: float = 3.81e-9
     log_share: float = 0.8
 
     def __post_init__(self) -> None:
