@@ -66,10 +66,12 @@ class LiveDecider:
         window: int,
         workers: int,
         sizes: Sequence[LayerProfile] | None = None,
+        microbatches: int = 1,
     ) -> None:
         self.controller, self.profile = controller, profile
         self.name = controller.name
         self.window, self.workers, self.sizes = window, workers, sizes
+        self.microbatches = microbatches
 
     def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
         if self.profile is None:
@@ -78,9 +80,21 @@ class LiveDecider:
                 why = f"measuring the baseline: {seen} of {2 * self.window} iterations"
                 return Verdict(bounds=None, decision={"bounds": None, "reason": why})
             self.profile = baseline(
-                records, partition, window=self.window, workers=self.workers, sizes=self.sizes
+                records,
+                partition,
+                window=self.window,
+                workers=self.workers,
+                sizes=self.sizes,
+                microbatches=self.microbatches,
             )
-        obs = observe(records, self.profile, partition, window=self.window, workers=self.workers)
+        obs = observe(
+            records,
+            self.profile,
+            partition,
+            window=self.window,
+            workers=self.workers,
+            microbatches=self.microbatches,
+        )
         decision = self.controller.decide(obs)
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=inputs(obs))
 
@@ -96,6 +110,7 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,
         sizes=layer_sizes(cfg) if profile is None else None,
+        microbatches=cfg.data.microbatches,
     )
 
 
@@ -150,12 +165,13 @@ def inputs(obs: Observation) -> dict[str, Any]:
     per iteration), the best partition and the per-stage slowdowns."""
     slow = stage_slowdowns(obs)
     bounds, best = best_partition(obs, slow)
+    best *= obs.microbatches  # cycles per micro-batch: per iteration
     measured = (
         statistics.median(max(row) for row in obs.stage_iteration_s)
         if obs.stage_iteration_s
         else None
     )
-    current = predicted_time(obs, obs.bounds, slow)
+    current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
     return {
         "measured_ms": round(measured * 1e3, 3) if measured is not None else None,
         "in_force_ms": round(current * 1e3, 3) if math.isfinite(current) else None,
@@ -173,9 +189,11 @@ def baseline(
     window: int,
     workers: int,
     sizes: Sequence[LayerProfile] | None = None,
+    microbatches: int = 1,
 ) -> Profile:
-    """A profile of measured per-layer seconds: the median over the last ``window``
-    complete iterations in ``records``, with ``sizes``' bytes (0 without)."""
+    """A profile of measured per-layer seconds per micro-batch (of ``microbatches`` an
+    iteration): the median over the last ``window`` complete iterations in ``records``,
+    with ``sizes``' bytes (0 without)."""
     zero = LayerProfile(
         name="",
         kind="measured",
@@ -194,7 +212,9 @@ def baseline(
         device="measured",
         layers=(zero,) * partition.num_layers,
     )
-    obs = observe(records, blank, partition, window=window, workers=workers)
+    obs = observe(
+        records, blank, partition, window=window, workers=workers, microbatches=microbatches
+    )
 
     def median(rows: Sequence[Sequence[float]], layer: int) -> float:
         seen = [row[layer] for row in rows if math.isfinite(row[layer])]

@@ -8,8 +8,10 @@ and one built from a simulated trace are interchangeable. It holds:
   the bytes a stage boundary after the layer carries, and the bytes of the layer's
   state (parameters and optimizer state: what moving it costs);
 - **the last ``window`` iterations** of what the stages measured: per-layer forward and
-  backward seconds (telemetry's ``stage_stats`` records carry them by global layer
-  index, so they survive a re-partition), per-stage compute and iteration seconds;
+  backward seconds per micro-batch (telemetry's ``stage_stats`` records carry each
+  layer's sum over an iteration's ``microbatches``, by global layer index, so they
+  survive a re-partition; the profile's are per micro-batch too), per-stage compute and
+  iteration seconds;
 - **per-link bandwidth** (``link_sample`` records, the smoothed estimate), the mean over
   the window's samples per (src, dst);
 - **device status**: each stage's latest device sample as the fixed feature vector of
@@ -54,6 +56,7 @@ class Observation:
     stage_iteration_s: Rows = ()
     link_bandwidth_Bps: Mapping[str, float] = field(default_factory=dict)  # "src-dst"
     device: Rows = ()  # [worker]: the latest device sample's features
+    microbatches: int = 1  # per iteration: a planner's cycle times this is an iteration
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +83,7 @@ class Observation:
             "stage_iteration_s": [list(r) for r in self.stage_iteration_s],
             "link_bandwidth_Bps": dict(self.link_bandwidth_Bps),
             "device": [list(r) for r in self.device],
+            "microbatches": self.microbatches,
         }
 
     @classmethod
@@ -109,6 +113,7 @@ class Observation:
                     str(k): float(v) for k, v in data.get("link_bandwidth_Bps", {}).items()
                 },
                 device=rows("device"),
+                microbatches=int(data.get("microbatches", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanError(f"{source}: malformed observation ({exc})") from None
@@ -121,10 +126,12 @@ def observe(
     *,
     window: int = 8,
     workers: int | None = None,
+    microbatches: int = 1,
 ) -> Observation:
     """The observation after ``records`` (telemetry, oldest first): the last ``window``
     iterations that every stage has reported, under ``partition``. ``workers``: the
-    stage processes (default: one per partition stage; fewer with interleaved chunks).
+    stage processes (default: one per partition stage; fewer with interleaved chunks);
+    ``microbatches``: per iteration (the measured per-layer sums are divided by it).
 
     Raises `PlanError` when the profile does not describe the partition's model or no
     iteration has been reported by every stage yet.
@@ -154,8 +161,10 @@ def observe(
         raise PlanError("observe: no iteration has been reported by every stage yet")
     chosen = complete[-window:]
     layers = len(profile.layers)
-    fwd = tuple(_per_layer(by_iteration[it], layers, "forward_s") for it in chosen)
-    bwd = tuple(_per_layer(by_iteration[it], layers, "backward_s") for it in chosen)
+    if microbatches < 1:
+        raise PlanError(f"observe: microbatches must be >= 1 (got {microbatches})")
+    fwd = tuple(_per_layer(by_iteration[it], layers, "forward_s", microbatches) for it in chosen)
+    bwd = tuple(_per_layer(by_iteration[it], layers, "backward_s", microbatches) for it in chosen)
     compute = tuple(
         tuple(float(by_iteration[it][s].compute_s) for s in range(stages)) for it in chosen
     )
@@ -185,6 +194,7 @@ def observe(
         stage_iteration_s=iteration_s,
         link_bandwidth_Bps=bandwidth,
         device=_device_rows(device, stages),
+        microbatches=microbatches,
     )
 
 
@@ -198,12 +208,14 @@ def _boundary_bytes(profile: Profile) -> tuple[int, ...]:
     )
 
 
-def _per_layer(stats: Mapping[int, StageStats], layers: int, attr: str) -> tuple[float, ...]:
+def _per_layer(
+    stats: Mapping[int, StageStats], layers: int, attr: str, microbatches: int
+) -> tuple[float, ...]:
     out = [float("nan")] * layers
     for rec in stats.values():
         for i, value in enumerate(getattr(rec, attr)):
             if 0 <= rec.first_layer + i < layers:
-                out[rec.first_layer + i] = float(value)
+                out[rec.first_layer + i] = float(value) / microbatches
     return tuple(out)
 
 

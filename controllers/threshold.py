@@ -85,7 +85,9 @@ class Threshold:
         measured = statistics.median(max(row) for row in obs.stage_iteration_s)
         slow = stage_slowdowns(obs)
         bounds, best = best_partition(obs, slow)
-        current = predicted_time(obs, obs.bounds, slow)
+        # the planner's cycle per micro-batch, times the micro-batches: an iteration
+        best *= obs.microbatches
+        current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
         ratio = current / best if best > 0 else math.inf
         self._over = self._over + 1 if ratio > 1 + s.margin else 0
         seen = (

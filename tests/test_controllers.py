@@ -100,6 +100,12 @@ def test_an_observation_holds_the_last_complete_iterations_by_global_layer() -> 
     assert obs.boundary_bytes[0] == 120 and obs.boundary_bytes[5] == 600  # out + grad in
     assert obs.state_bytes[5] == 18000
     assert Observation.from_json(obs.to_json()) == obs
+    # stages report each layer's sum over an iteration's micro-batches: per micro-batch
+    # it compares with a profile's (the planner's cycle is one micro-batch's)
+    per = observe(_records(), _profile(), partition, window=4, microbatches=4)
+    assert per.measured_forward_s[-1] == pytest.approx(tuple(0.0075 * (i + 1) for i in range(6)))
+    assert per.stage_compute_s == obs.stage_compute_s and per.microbatches == 4
+    assert Observation.from_json(per.to_json()) == per
 
 
 def test_a_window_across_a_re_partition_keeps_each_layer_where_it_was_measured() -> None:

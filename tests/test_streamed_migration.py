@@ -121,7 +121,14 @@ def test_streamed_migrations_end_bitwise_equal_to_no_migration(
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
-@pytest.mark.parametrize("fault", ["corrupt:0", pytest.param("raise:0", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "corrupt:0",
+        pytest.param("raise:0", marks=pytest.mark.slow),
+        pytest.param("open:1", marks=pytest.mark.slow),
+    ],
+)
 def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
     make_config: Callable[..., RunConfig],
     tmp_path: Path,
@@ -136,7 +143,12 @@ def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
     migrations = _events(tried, "migration", 2)
     assert [[e["ok"] for e in s] for s in migrations] == [[False, False]] * 2
     causes = " ".join(e["cause"] for s in migrations for e in s)
-    assert {"corrupt": "checksum", "raise": "injected before sending"}[fault[:-2]] in causes
+    expected = {
+        "corrupt": "checksum",
+        "raise": "injected before sending",
+        "open": "could not open the state channel",
+    }
+    assert expected[fault[:-2]] in causes
     assert _events(tried, "plan", 2) == [[], []]  # the partition never changed
     _assert_bitwise(_final(tried), _final(tmp_path / "still"))
 

@@ -50,7 +50,8 @@ MIGRATION_FAULT_ENV = "ADAPTIPE_INJECT_MIGRATION_FAULT"
 """``KIND:RANK`` makes that worker's side of the next migrations fail on purpose (a drill
 for tests): ``raise`` (the sender fails before sending), ``corrupt`` (a payload byte is
 flipped after its digest is taken), ``late`` (the payload leaves only after the receiver's
-timeout), ``refuse`` (the receiver fails while it reads a payload)."""
+timeout), ``refuse`` (the receiver fails while it reads a payload); streamed moves also
+take ``open`` (the worker's end of the state channel fails to open)."""
 
 _TAG = 0x40000000  # above the transport's tags at these sizes
 _MOVES = 64  # tags per migration (two per move)
@@ -172,12 +173,12 @@ def _fault() -> tuple[str, int] | None:
     kind, _, rank = value.partition(":")
     if not value:
         return None
-    if kind not in ("raise", "corrupt", "late", "refuse") or not rank.isdigit():
+    if kind not in ("raise", "corrupt", "late", "refuse", "open") or not rank.isdigit():
         raise ValueError(
             f"{MIGRATION_FAULT_ENV}={value!r} must be KIND:RANK with KIND one of raise, "
-            "corrupt, late, refuse (e.g. corrupt:0)"
+            "corrupt, late, refuse, open (e.g. corrupt:0)"
         )
-    return kind, int(rank)
+    return (kind, int(rank)) if kind != "open" else None  # open: streamed moves only
 
 
 def _exchange(

@@ -46,6 +46,14 @@ class PlanSwitch:
     streaming: StreamedMove | None = None  # a streamed migration in flight
     last: IterationStats | None = None  # the last window's measurements
     last_rounds: int = 1
+    sent_Bps: float = 0.0  # what this stage sent per second over the last window
+    _sent: int = 0
+
+    def note(self, stats: IterationStats, rounds: int) -> None:
+        """The window that just ran (what a vote on the crossover rule reads)."""
+        sent, self._sent = self.transport.bytes_sent - self._sent, self.transport.bytes_sent
+        self.last, self.last_rounds = stats, rounds
+        self.sent_Bps = sent / stats.iteration_s if stats.iteration_s > 0 else 0.0
 
     def at(self, it: int, partition: Partition, schedule: Schedule, log: Log) -> PlanVersion | None:
         """The version to adopt at boundary ``it`` (every worker), or None; ``partition``
@@ -106,6 +114,7 @@ class PlanSwitch:
             bandwidth_Bps=self.transport.bandwidth_Bps,
             iteration_s=stats.iteration_s / self.last_rounds if stats else 0.0,
             comm_share=stats.comm_s / stats.iteration_s if stats and stats.iteration_s else 0.0,
+            sent_Bps=self.sent_Bps,
         )
         box = torch.tensor([mine], dtype=torch.int64, device=self.follower.device)
         if dist.is_initialized() and dist.get_world_size() > 1:

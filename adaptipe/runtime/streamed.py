@@ -124,19 +124,30 @@ class StreamedMove:
         self._stop = threading.Event()
         self._progress = threading.Condition()  # guards _applied; notified as copies advance
         self._outbox: queue.Queue[tuple[int, int, Callable[[], bytes]] | None] = queue.Queue()
-        host = _local_host()
-        loopback = ipaddress.ip_address(host).is_loopback
-        keys = _Keys.generate() if not loopback else None
-        self._receiver = (
-            StateReceiver(f"tcp://{host}:*", curve=keys.server() if keys else None)
-            if self.incoming
-            else None
-        )
-        peers = self._exchange(self._receiver.address if self._receiver else "", keys)
+        self._receiver: StateReceiver | None = None
         self._senders: dict[int, StateSender] = {}
+        self._threads: list[threading.Thread] = []
+        keys: _Keys | None = None
+        try:  # this worker's end; a failure is agreed on below, never a hang
+            if self._fault == "open":
+                raise OSError("migration fault injected while opening the state channel")
+            host = _local_host()
+            keys = _Keys.generate() if not ipaddress.ip_address(host).is_loopback else None
+            if self.incoming:
+                curve = keys.server() if keys else None
+                self._receiver = StateReceiver(f"tcp://{host}:*", curve=curve)
+        except Exception as exc:
+            self._error = f"the state channel could not open: {type(exc).__name__}: {exc}"
+        address = self._receiver.address if self._receiver else ""
+        peers = self._exchange(address, keys, failed=bool(self._error))
+        broken = [rank for rank, (_, _, bad) in peers.items() if bad]
+        if broken:
+            self._error = self._error or f"worker {broken[0]} could not open the state channel"
+            self._close_sockets()
+            return
         for _, move in self.outgoing:
             if move.dst not in self._senders:
-                address, public = peers[move.dst]
+                address, public, _ = peers[move.dst]
                 self._senders[move.dst] = StateSender(
                     address,
                     chunk_bytes=settings.chunk_bytes,
@@ -330,9 +341,13 @@ class StreamedMove:
             dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
         return int(box.item())
 
-    def _exchange(self, address: str, keys: _Keys | None) -> dict[int, tuple[str, str]]:
-        """Every worker's receiving address and server key, by rank."""
-        mine = json.dumps({"a": address, "k": keys.server_public if keys else ""}).encode()
+    def _exchange(
+        self, address: str, keys: _Keys | None, *, failed: bool
+    ) -> dict[int, tuple[str, str, bool]]:
+        """Every worker's receiving address, server key and whether its end failed."""
+        mine = json.dumps(
+            {"a": address, "k": keys.server_public if keys else "", "f": failed}
+        ).encode()
         if len(mine) > _ADDRESS_BYTES:
             raise ValueError(f"state channel address too long: {address!r}")
         box = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8, device=self.device)
@@ -346,8 +361,17 @@ class StreamedMove:
         for rank, got in enumerate(boxes):
             raw = bytes(got.cpu().tolist()).rstrip(b"\0")
             entry = json.loads(raw)
-            out[rank] = (str(entry["a"]), str(entry["k"]))
+            out[rank] = (str(entry["a"]), str(entry["k"]), bool(entry["f"]))
         return out
+
+    def _close_sockets(self) -> None:
+        """Close the channel's ends when no thread took them over."""
+        for sender in self._senders.values():
+            sender.close()
+        if self._receiver is not None:
+            self._receiver.close()
+        self._senders.clear()
+        self._receiver = None
 
 
 def vote(
@@ -357,15 +381,20 @@ def vote(
     bandwidth_Bps: Callable[[int], float],
     iteration_s: float,
     comm_share: float,
+    sent_Bps: float = 0.0,
     cost: MigrationCost | None = None,
 ) -> int:
     """This worker's side of the crossover rule (`adaptipe.sim.migration.choose_transfer`)
     for the moves it sends: 1 to stream them, 0 for stop-and-copy (the workers take the
-    minimum). ``bandwidth_Bps(dst)``: the measured link (0: unmeasured)."""
+    minimum). ``bandwidth_Bps(dst)``: the measured link (0: unmeasured); the link is
+    busy the larger of ``comm_share`` (the stage's time in sends) and ``sent_Bps`` (what
+    the stage sends a second) over its bandwidth: on a link-bound pipeline sends are
+    posted ahead and their time shows as waiting, not sending."""
     held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
     for move in (m for m in moves if m.src == stage.rank):
         state = stage.tensors(move.layers)
         measured = bandwidth_Bps(move.dst)
+        link = measured if measured > 0 else UNMEASURED_BPS
         choice = choose_transfer(
             cost if cost is not None else MigrationCost(),
             state_bytes=sum(t.numel() * t.element_size() for t in state.values()),
@@ -374,9 +403,9 @@ def vote(
                 for i in move.layers
                 for p in held[i].module.parameters()
             ),
-            bandwidth_Bps=measured if measured > 0 else UNMEASURED_BPS,
+            bandwidth_Bps=link,
             iteration_s=iteration_s,
-            comm_share=comm_share,
+            comm_share=max(comm_share, min(sent_Bps / link, 1.0)),
         )
         if choice != "streamed":
             return 0
@@ -415,8 +444,8 @@ def _state_buffers(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def _fault(rank: int) -> str | None:
-    """``ADAPTIPE_INJECT_MIGRATION_FAULT`` for this worker's sending side (``raise`` or
-    ``corrupt``; the receiving kinds belong to stop-and-copy)."""
+    """``ADAPTIPE_INJECT_MIGRATION_FAULT`` for this worker's end of a streamed move:
+    ``raise`` or ``corrupt`` (sending), ``open`` (opening the channel)."""
     kind, _, target = os.environ.get(MIGRATION_FAULT_ENV, "").partition(":")
     return kind if target.isdigit() and int(target) == rank else None
 

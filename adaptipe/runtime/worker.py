@@ -279,7 +279,7 @@ class _Worker:
                     feed.finish(upto=stop - it)
                 epoch += 1
                 window = Window(it, stop, window.executor, begun, time.time(), stats, plan)
-                self.switch.last, self.switch.last_rounds = stats, window.rounds
+                self.switch.note(stats, window.rounds)
                 self.record(window, fh)
                 for hook in hooks:
                     hook.after_window(window)
