@@ -6,12 +6,12 @@ proposed at that boundary but adopted only once its layers have crossed: until t
 training goes on on the partition in force, and the version is recorded (and replayed
 by a resumed run) where the switch happened. Whether a move streams is one answer on
 every worker: the config's ``[adapt] transfer``, and for ``"auto"`` the minimum of every
-sender's vote on the crossover rule (`adaptipe.runtime.streamed.vote`).
+sender's vote on the crossover rule (`vote`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +22,15 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.iteration_stats import IterationStats
-from adaptipe.runtime.migration import plan_moves
+from adaptipe.runtime.migration import Move, plan_moves
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.stagestate import Stage
-from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings, vote
+from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings
 from adaptipe.runtime.transport import P2PTransport
 from adaptipe.schedule.types import Schedule
+from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer
 
-__all__ = ["PlanSwitch"]
+__all__ = ["PlanSwitch", "vote"]
 
 Log = Callable[[dict[str, Any]], None]
 
@@ -138,3 +139,41 @@ class PlanSwitch:
             group=self.follower.group,
             device=self.follower.device,
         )
+
+
+def vote(
+    stage: Stage,
+    moves: Sequence[Move],
+    *,
+    bandwidth_Bps: Callable[[int], float],
+    iteration_s: float,
+    comm_share: float,
+    sent_Bps: float = 0.0,
+    cost: MigrationCost | None = None,
+) -> int:
+    """This worker's side of the crossover rule (`adaptipe.sim.migration.choose_transfer`)
+    for the moves it sends: 1 to stream them, 0 for stop-and-copy (the workers take the
+    minimum). ``bandwidth_Bps(dst)``: the measured link (0: unmeasured); the link is
+    busy the larger of ``comm_share`` (the stage's time in sends) and ``sent_Bps`` (what
+    the stage sends a second) over its bandwidth: on a link-bound pipeline sends are
+    posted ahead and their time shows as waiting, not sending."""
+    held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
+    for move in (m for m in moves if m.src == stage.rank):
+        state = stage.tensors(move.layers)
+        measured = bandwidth_Bps(move.dst)
+        link = measured if measured > 0 else UNMEASURED_BPS
+        choice = choose_transfer(
+            cost if cost is not None else MigrationCost(),
+            state_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+            log_bytes=sum(
+                p.numel() * p.element_size()
+                for i in move.layers
+                for p in held[i].module.parameters()
+            ),
+            bandwidth_Bps=link,
+            iteration_s=iteration_s,
+            comm_share=max(comm_share, min(sent_Bps / link, 1.0)),
+        )
+        if choice != "streamed":
+            return 0
+    return 1

@@ -65,9 +65,8 @@ from adaptipe.runtime.statestream import (
     StreamError,
     StreamTimeout,
 )
-from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer
 
-__all__ = ["FAILED", "READY", "WAIT", "StreamSettings", "StreamedMove", "vote"]
+__all__ = ["FAILED", "READY", "WAIT", "StreamSettings", "StreamedMove"]
 
 READY, WAIT, FAILED = 1, 0, -1
 _PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
@@ -372,44 +371,6 @@ class StreamedMove:
             self._receiver.close()
         self._senders.clear()
         self._receiver = None
-
-
-def vote(
-    stage: Stage,
-    moves: Sequence[Move],
-    *,
-    bandwidth_Bps: Callable[[int], float],
-    iteration_s: float,
-    comm_share: float,
-    sent_Bps: float = 0.0,
-    cost: MigrationCost | None = None,
-) -> int:
-    """This worker's side of the crossover rule (`adaptipe.sim.migration.choose_transfer`)
-    for the moves it sends: 1 to stream them, 0 for stop-and-copy (the workers take the
-    minimum). ``bandwidth_Bps(dst)``: the measured link (0: unmeasured); the link is
-    busy the larger of ``comm_share`` (the stage's time in sends) and ``sent_Bps`` (what
-    the stage sends a second) over its bandwidth: on a link-bound pipeline sends are
-    posted ahead and their time shows as waiting, not sending."""
-    held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
-    for move in (m for m in moves if m.src == stage.rank):
-        state = stage.tensors(move.layers)
-        measured = bandwidth_Bps(move.dst)
-        link = measured if measured > 0 else UNMEASURED_BPS
-        choice = choose_transfer(
-            cost if cost is not None else MigrationCost(),
-            state_bytes=sum(t.numel() * t.element_size() for t in state.values()),
-            log_bytes=sum(
-                p.numel() * p.element_size()
-                for i in move.layers
-                for p in held[i].module.parameters()
-            ),
-            bandwidth_Bps=link,
-            iteration_s=iteration_s,
-            comm_share=max(comm_share, min(sent_Bps / link, 1.0)),
-        )
-        if choice != "streamed":
-            return 0
-    return 1
 
 
 def _save(tensors: dict[str, Tensor]) -> bytes:
