@@ -138,11 +138,11 @@ def _stage_events(run_dir: Path, stage: int, kind: str) -> list[dict[str, Any]]:
     return [e for path in found for e in _lines(path) if e.get("event") == kind]
 
 
-def _link_bandwidth(run_dir: Path) -> float | None:
+def _link_bandwidth(telemetry: list[dict[str, Any]]) -> float | None:
     """The telemetry's median smoothed 0 -> 1 link bandwidth (bytes/s)."""
     samples = [
         r["bandwidth_Bps"]
-        for r in _lines(run_dir / "telemetry.jsonl")
+        for r in telemetry
         if r.get("type") == "link_sample" and r.get("src") == 0
     ]
     return statistics.median(samples) if samples else None
@@ -176,21 +176,15 @@ def _fit(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _spare_bandwidth(run_dir: Path) -> float | None:
-    """The telemetry's smoothed 0 -> 1 link bandwidth times its idle share (bytes/s)."""
-    samples = [
-        r
-        for r in _lines(run_dir / "telemetry.jsonl")
-        if r.get("type") == "link_sample" and r.get("src") == 0
-    ]
-    stats = [r for r in _lines(run_dir / "telemetry.jsonl") if r.get("type") == "stage_stats"]
-    if not samples or not stats:
+def _spare_bandwidth(telemetry: list[dict[str, Any]], link: float | None) -> float | None:
+    """The ``link`` bandwidth times the share of an iteration it is idle (bytes/s)."""
+    stats = [r for r in telemetry if r.get("type") == "stage_stats"]
+    if link is None or not stats:
         return None
-    bandwidth = statistics.median(r["bandwidth_Bps"] for r in samples)
     busy = statistics.median(
         min(r["comm_s"] / r["iteration_s"], 1.0) for r in stats if r["iteration_s"] > 0
     )
-    return bandwidth * max(1.0 - busy, 0.05)
+    return link * max(1.0 - busy, 0.05)
 
 
 def _windows(spans: dict[int, float], moves: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -239,8 +233,9 @@ def _summarise(
         for w in windows
         if w["quiet"]
     ]
-    spare = _spare_bandwidth(run_dir)
-    link = _link_bandwidth(run_dir)
+    telemetry = _lines(run_dir / "telemetry.jsonl")
+    link = _link_bandwidth(telemetry)
+    spare = _spare_bandwidth(telemetry, link)
     for m, w in zip(moves, windows, strict=True):
         if link and w["quiet"] and w["switch"] is not None and m.get("bytes"):
             # what the cost model is fitted on: the switch's stall, and the training time

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed, train
@@ -22,6 +21,8 @@ from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
+from tests.test_migration import _assert_bitwise, _events
+from tests.test_migration import _final as final_state
 
 ITERATIONS = 20
 
@@ -61,27 +62,7 @@ def _config(
 
 
 def _final(run_dir: Path) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(run_dir / "checkpoints")
-    assert found is not None
-    tensors, meta = ckpt.load(found)
-    assert meta["iteration"] == ITERATIONS
-    return tensors
-
-
-def _events(run_dir: Path, kind: str, stages: int) -> list[list[dict[str, Any]]]:
-    run = RunDir(run_dir)
-    return [
-        [r for r in map(json.loads, run.stage_metrics(s).read_text().splitlines())
-         if r.get("event") == kind]
-        for s in range(stages)
-    ]  # fmt: skip
-
-
-def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    assert any(".step" in k or "momentum_buffer" in k for k in want)  # optimizer state too
-    for key in want:
-        assert torch.equal(got[key], want[key]), f"{key} differs from the run without moves"
+    return final_state(run_dir, ITERATIONS)
 
 
 @pytest.mark.parametrize(

@@ -97,8 +97,9 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
             s = e.time_s - t0
             marks.append(Mark(e.kind, e.kind, s, None, clock.to_iter(s), None, detail(e)))
     marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
-    marks += _migration_marks(log.root, clock)
-    marks += _decision_marks(log.root, clock)
+    control = _control_events(log.root)
+    marks += _migration_marks(control, clock)
+    marks += _decision_marks(control, clock)
     if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
         for path in sorted((log.root / "checkpoints").glob("iter-*")):
             if (n := path.name.removeprefix("iter-")).isdigit():
@@ -118,9 +119,8 @@ def _span_label(start: Event) -> str:
     return f"{injector} injection"
 
 
-def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:
-    """The run's layer migrations (``control.jsonl``), at the boundary before the
-    iteration they switched at; a failed one is labelled so."""
+def _control_events(root: Path) -> list[dict[str, Any]]:
+    """The manager's events (``control.jsonl``), torn or foreign lines left out."""
     path = root / "control.jsonl"
     if not path.exists():
         return []
@@ -128,6 +128,19 @@ def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:
     for line in path.read_text().splitlines():
         try:
             event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out
+
+
+def _migration_marks(control: Sequence[dict[str, Any]], clock: _Clock) -> list[Mark]:
+    """The run's layer migrations, at the boundary before the iteration they switched
+    at; a failed one is labelled so."""
+    out = []
+    for event in control:
+        try:
             if event.get("event") != "migration":
                 continue
             x = float(event["iteration"]) - 0.5  # between iterations N-1 and N
@@ -145,16 +158,12 @@ def _migration_marks(root: Path, clock: _Clock) -> list[Mark]:
     return out
 
 
-def _decision_marks(root: Path, clock: _Clock) -> list[Mark]:
-    """The controller's decisions to move (``control.jsonl``), at the end of the
-    iteration they were taken after: acted on, or logged only (dry run)."""
-    path = root / "control.jsonl"
-    if not path.exists():
-        return []
+def _decision_marks(control: Sequence[dict[str, Any]], clock: _Clock) -> list[Mark]:
+    """The controller's decisions to move, at the end of the iteration they were taken
+    after: acted on, or logged only (dry run)."""
     out = []
-    for line in path.read_text().splitlines():
+    for event in control:
         try:
-            event = json.loads(line)
             bounds = (event.get("decision") or {}).get("bounds")
             if event.get("event") != "decision" or bounds is None:
                 continue

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
@@ -24,6 +25,7 @@ from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.migration import Move, plan_moves
 from adaptipe.runtime.planversion import PlanVersion
+from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
 from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings
 from adaptipe.runtime.transport import P2PTransport
@@ -159,17 +161,13 @@ def vote(
     posted ahead and their time shows as waiting, not sending."""
     held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
     for move in (m for m in moves if m.src == stage.rank):
-        state = stage.tensors(move.layers)
+        slots = [held[i] for i in move.layers]
         measured = bandwidth_Bps(move.dst)
         link = measured if measured > 0 else UNMEASURED_BPS
         choice = choose_transfer(
             cost if cost is not None else MigrationCost(),
-            state_bytes=sum(t.numel() * t.element_size() for t in state.values()),
-            log_bytes=sum(
-                p.numel() * p.element_size()
-                for i in move.layers
-                for p in held[i].module.parameters()
-            ),
+            state_bytes=sum(_state_bytes(slot) for slot in slots),
+            log_bytes=sum(_nbytes(p) for slot in slots for p in slot.module.parameters()),
             bandwidth_Bps=link,
             iteration_s=iteration_s,
             comm_share=max(comm_share, min(sent_Bps / link, 1.0)),
@@ -177,3 +175,19 @@ def vote(
         if choice != "streamed":
             return 0
     return 1
+
+
+def _state_bytes(slot: LayerSlot) -> int:
+    """What moving ``slot`` sends: its module's state and its optimizer's (counted on
+    the tensors themselves, no copies)."""
+    tensors = list(slot.module.state_dict().values())
+    if slot.optimizer is not None:
+        for p in slot.module.parameters():
+            tensors += [
+                v for v in slot.optimizer.state.get(p, {}).values() if isinstance(v, Tensor)
+            ]
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()

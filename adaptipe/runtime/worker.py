@@ -135,8 +135,8 @@ class _Worker:
     windows: Windows
     follower: PlanFollower
     holds: tuple[bool, bool]  # (first virtual stage, last virtual stage)
+    switch: PlanSwitch  # which plan version runs from each boundary
     cut: WindowCut | None = None  # job-arrays: ends a window when a plan comes mid-way
-    switch: PlanSwitch | None = None  # set up in `setup`
     active: set[int] = field(default_factory=set)
 
     @property
@@ -229,10 +229,10 @@ class _Worker:
             follower=follower,
             holds=holds,
             cut=cut,
+            switch=PlanSwitch(
+                config=config, follower=follower, stage=stage, transport=transport, start=start
+            ),
             active=set(range(len(jobs))),
-        )
-        worker.switch = PlanSwitch(
-            config=config, follower=follower, stage=stage, transport=transport, start=start
         )
         worker.handshake()
         return worker
@@ -246,8 +246,7 @@ class _Worker:
             for hook in hooks:
                 cleanup.callback(hook.close)
             cleanup.callback(self.transport.close)  # first: a stuck link watcher must not hold us
-            if self.switch is not None:
-                cleanup.callback(self.switch.close)  # a streamed move still in flight
+            cleanup.callback(self.switch.close)  # a streamed move still in flight
             cleanup.callback(_close_memory, stage)  # its copy thread (the one in use then)
             ready = {"event": "ready", "stage": rank, "pid": os.getpid(), "threads": threads}
             log(fh, {**ready, "device": str(stage.device), "start": self.start})
@@ -257,7 +256,6 @@ class _Worker:
                 begun = time.time()
                 for hook in hooks:
                     hook.before_boundary(it)
-                assert self.switch is not None
                 schedule = self.windows.schedule()
                 switched = self.switch.at(it, self.partition, schedule, lambda e: log(fh, e))
                 if switched is not None:
@@ -332,7 +330,7 @@ class _Worker:
                 log(fh, {"event": "checkpoint", "stage": rank, "iteration": it})
             log(fh, {"event": "restart", **event})
             raise RestartForPlan(f"restarting at iteration {it} to hold {partition.bounds}")
-        streaming = self.switch.take_streaming() if self.switch is not None else None
+        streaming = self.switch.take_streaming()
         if method == "live" and streaming is not None:
             report = streaming.switch(layers_of(partition, self.windows.schedule(), rank))
             log(fh, {"event": "migration", **event, **report.to_json()})
