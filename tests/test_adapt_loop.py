@@ -219,6 +219,26 @@ class _Sleeps:
         return Verdict(bounds=(0, 1, 6), decision={"bounds": [0, 1, 6], "reason": "late"})
 
 
+def test_a_move_is_committed_when_the_controller_answers_not_at_the_next_poll(
+    run: RunDir,
+) -> None:
+    """The workers see a move one manager poll sooner: the decision's thread commits it
+    and the poll only logs it."""
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(check_every=1, window=1), decider=_Sleeps(0.05))
+    loop.poll([{"iteration": 0, "iteration_s": 0.01}])
+    call = loop._call
+    assert call is not None and current_version(run) == 0
+    deadline = time.monotonic() + 5.0
+    while not call.done and time.monotonic() < deadline:
+        time.sleep(0.005)  # no poll meanwhile
+    assert current_version(run) == 1
+    committed = read_active(run, 1).partition
+    assert committed is not None and list(committed.bounds) == [0, 1, 6]
+    (event,) = loop.poll([])
+    assert event["acted"] and event["version"] == 1 and loop._call is None
+
+
 def test_a_controller_that_raises_is_an_error_event_and_the_loop_goes_on(run: RunDir) -> None:
     tele = _Telemetry()
     loop = _loop(run, tele, _adapt(), decider=_Raises())

@@ -9,8 +9,10 @@ every stage), it hands the telemetry records since the last plan change to a `De
 on a thread of its own. The poll never waits for it: a call that raises is logged as a
 decision with an ``error``; one that runs past ``[adapt].decide_timeout_s`` is logged as
 timed out, its answer (when it comes) is dropped, and no new call starts until it has
-returned. A move (not with ``dry_run``) is committed through `repartition`, so the
-workers take it on at their next boundary with ``[adapt].method``.
+returned. A move (not with ``dry_run``) is committed through `repartition` on the
+decision's own thread, the moment the controller answers (waiting for the next poll
+would cost the workers an iteration or two), so the workers take it on at their next
+boundary with ``[adapt].method``; the poll logs it.
 
 Events (one JSON line each in ``control.jsonl``)::
 
@@ -75,25 +77,44 @@ DeciderFactory = Callable[[RunDir, "RunConfig"], Decider]
 
 
 class _Call:
-    """One decider call on a daemon thread (a hung controller never holds up exit)."""
+    """One decider call on a daemon thread (a hung controller never holds up exit).
 
-    def __init__(self, fn: Callable[[], Verdict], clock: Callable[[], float]) -> None:
+    ``act`` runs on the same thread with the verdict, unless the call has been logged
+    as timed out by then (``lock`` orders the two): a late answer is dropped."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Verdict],
+        act: Callable[[Verdict], dict[str, Any]],
+        clock: Callable[[], float],
+    ) -> None:
         self.clock, self.started = clock, clock()
         self.ended: float | None = None
         self.result: Verdict | None = None
+        self.acted: dict[str, Any] = {}  # what acting on the verdict added to its event
         self.error: BaseException | None = None
         self.timed_out = False  # logged as timed out: its answer is dropped
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="adaptipe-decide")
-        self._thread.daemon = True
+        self.lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, act), name="adaptipe-decide", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, fn: Callable[[], Verdict]) -> None:
+    def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
+        verdict: Verdict | None = None
         try:
-            self.result = fn()
+            verdict = fn()
         except Exception as exc:  # a controller's fault is logged, never raised
             self.error = exc
         finally:
-            self.ended = self.clock()
+            with self.lock:  # done and acted at once, as the timeout sees it
+                try:
+                    if verdict is not None and not self.timed_out:
+                        self.result, self.acted = verdict, act(verdict)
+                except Exception as exc:
+                    self.error = exc
+                finally:
+                    self.ended = self.clock()
 
     @property
     def done(self) -> bool:
@@ -180,7 +201,7 @@ class AdaptLoop:
         ]
         decider = self.decider
         self._asked = (self._latest, tuple(partition.bounds))
-        self._call = _Call(lambda: decider(records, partition), self._clock)
+        self._call = _Call(lambda: decider(records, partition), self._act, self._clock)
         self.calls += 1
         self._next_check = self._latest + self.settings.check_every
 
@@ -203,7 +224,11 @@ class AdaptLoop:
             self._call = None
             return [] if call.timed_out else [self._event(call)]
         if call.seconds() > self.settings.decide_timeout_s and not call.timed_out:
-            call.timed_out = True
+            with call.lock:
+                if call.done:  # it answered meanwhile, in time
+                    self._call = None
+                    return [self._event(call)]
+                call.timed_out = True
             why = (
                 f"timed out after {self.settings.decide_timeout_s:g} s (decide_timeout_s); its "
                 "answer will be dropped and no other call starts until it returns"
@@ -233,18 +258,25 @@ class AdaptLoop:
             "acted": False,
             "inputs": dict(verdict.inputs),
         }
+        if "version" in call.acted:
+            gain = verdict.decision.get("predicted_gain_s")
+            version = int(call.acted["version"])
+            self._pending.append(
+                _Pending(self._asked[0], version, float(gain) if gain is not None else None)
+            )
+        return event | call.acted
+
+    def _act(self, verdict: Verdict) -> dict[str, Any]:
+        """On the decision's thread: commit a move (not with ``dry_run``); what to add
+        to the decision's event."""
         moves = verdict.bounds is not None and tuple(verdict.bounds) != self._asked[1]
         if not moves or self.settings.dry_run or verdict.bounds is None:
-            return event
+            return {}
         try:
             version = self._commit(tuple(verdict.bounds))
         except PlanError as exc:  # e.g. the run finished meanwhile: logged, not raised
-            return event | {"error": f"commit refused: {exc}"}
-        gain = verdict.decision.get("predicted_gain_s")
-        self._pending.append(
-            _Pending(self._asked[0], version, float(gain) if gain is not None else None)
-        )
-        return event | {"acted": True, "version": version}
+            return {"error": f"commit refused: {exc}"}
+        return {"acted": True, "version": version}
 
     def _repartition(self, bounds: tuple[int, ...]) -> int:
         return repartition(self.run.root, bounds).version

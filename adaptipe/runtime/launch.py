@@ -118,6 +118,10 @@ def prepare(
     return run, config
 
 
+ADAPT_POLL_S = 0.01
+"""The manager's poll period while a controller runs (a pass reads a few small files)."""
+
+
 def train(
     config: RunConfig | str | Path,
     *,
@@ -360,7 +364,10 @@ def _run(
             run.metrics.open("a") as metrics,
             (run.root / "control.jsonl").open("a") as control_log,
         ):
-            _follow(launch, metrics, control_log, poll_s=poll_s)
+            # A controller acts on merged iterations: poll often enough that a
+            # decision is not an iteration late for want of one.
+            poll = min(poll_s, ADAPT_POLL_S) if launch.adapt is not None else poll_s
+            _follow(launch, metrics, control_log, poll_s=poll)
     finally:
         launch.close()
     wall = time.monotonic() - t0
