@@ -1,1 +1,2 @@
-"""Gymnasium environments backed by the pipeline simulator: not implemented yet."""
+"""Gymnasium environments backed by the pipeline simulator, and the traces they run on
+(`adaptipe.envs.trace`)."""
