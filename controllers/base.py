@@ -14,18 +14,30 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from adaptipe.controllers.observation import Observation
+from adaptipe.errors import PlanError
 
-__all__ = ["Controller", "Decision", "Keep"]
+__all__ = ["METHODS", "Controller", "Decision", "Keep"]
+
+METHODS = ("live", "restart")
+"""How a move is made: ``live`` migrates the moving layers while training runs (the
+runtime's plan switch); ``restart`` stops training, checkpoints and restarts on the new
+partition (PipeDream-Re's way, `adaptipe.controllers.baselines.RestartAtEpoch`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
     """Keep the partition (``bounds`` None) or move to ``bounds``; ``reason`` says why,
-    ``predicted_gain_s`` the seconds per iteration the controller expects to save."""
+    ``predicted_gain_s`` the seconds per iteration the controller expects to save,
+    ``method`` how the move is made (one of `METHODS`)."""
 
     bounds: tuple[int, ...] | None = None
     reason: str = ""
     predicted_gain_s: float | None = None
+    method: str = "live"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise PlanError(f"Decision.method must be one of {METHODS} (got {self.method!r})")
 
     @property
     def moves(self) -> bool:
@@ -36,6 +48,7 @@ class Decision:
             "bounds": list(self.bounds) if self.bounds is not None else None,
             "reason": self.reason,
             "predicted_gain_s": self.predicted_gain_s,
+            "method": self.method,
         }
 
 

@@ -10,6 +10,10 @@ state: ``cost = stream_fixed_s + stream_s_per_byte x (state + one step's log)`` 
 of training lost in all. It can only catch up while the gradient log takes at most
 ``log_share`` of the link's spare bandwidth.
 
+A restart (PipeDream-Re: stop, checkpoint, start again on the new partition) costs
+``restart_s`` whatever moves: the processes, the checkpoint round trip and the pipeline
+warm-up dominate.
+
 The simulator and the controllers price a switch with these, the way the runtime pays
 it; `MigrationCost.fit` and `MigrationCost.fit_streamed` take what
 ``bench/bench_migration.py`` measures, and `choose_transfer` is the crossover that
@@ -45,12 +49,17 @@ class MigrationCost:
     stream_fixed_s: float = 0.0281
     stream_s_per_byte: float = 3.81e-9
     log_share: float = 0.8
+    # bench_migration's restarts took 3.9-5.2 s on this machine (its two restart runs:
+    # median switch spans 3.9 s and 5.2 s, worst stalls 4.0 s and 4.9 s): their middle
+    restart_s: float = 4.5
 
     def __post_init__(self) -> None:
         if not (self.fixed_s >= 0 and math.isfinite(self.fixed_s)):
             raise PlanError(f"MigrationCost.fixed_s must be >= 0 (got {self.fixed_s})")
         if not self.efficiency > 0:
             raise PlanError(f"MigrationCost.efficiency must be > 0 (got {self.efficiency})")
+        if not (self.restart_s >= 0 and math.isfinite(self.restart_s)):
+            raise PlanError(f"MigrationCost.restart_s must be >= 0 (got {self.restart_s})")
 
     def stall_s(self, nbytes: int, bandwidth_Bps: float) -> float:
         """The seconds a move of ``nbytes`` over a ``bandwidth_Bps`` link stalls training."""
@@ -59,6 +68,16 @@ class MigrationCost:
         if not bandwidth_Bps > 0:
             raise PlanError(f"bandwidth must be > 0 (got {bandwidth_Bps})")
         return self.fixed_s + nbytes / (self.efficiency * bandwidth_Bps)
+
+    def switch_s(self, method: str, nbytes: int, bandwidth_Bps: float) -> float:
+        """The seconds a switch moving ``nbytes`` of state over a ``bandwidth_Bps`` link
+        stalls training: ``"live"`` a stop-and-copy move (`stall_s`), ``"restart"`` a
+        restart on the new partition (``restart_s``, whatever the bytes)."""
+        if method == "live":
+            return self.stall_s(nbytes, bandwidth_Bps)
+        if method == "restart":
+            return self.restart_s
+        raise PlanError(f"switch method must be 'live' or 'restart' (got {method!r})")
 
     def streamed_s(self, state_bytes: int, log_bytes: int) -> float:
         """The training seconds a streamed move of ``state_bytes`` (its gradient log
@@ -90,6 +109,7 @@ class MigrationCost:
             "stream_fixed_s": self.stream_fixed_s,
             "stream_s_per_byte": self.stream_s_per_byte,
             "log_share": self.log_share,
+            "restart_s": self.restart_s,
         }
 
 
