@@ -28,7 +28,8 @@ byte for byte (numpy's ``default_rng`` seeded by ``seed``).
 - ``mixture``: the families in ``of`` (default poisson-light, bandwidth-steps,
   preemption) at once: slowdowns multiply, a link's bandwidth is the lowest, events are
   united. A component's own parameter is given as ``"FAMILY.NAME"`` (``preemption.p``);
-  ``iteration_s`` and the device parameters are the mixture's.
+  ``iteration_s`` and the device parameters are the mixture's. Each event says its
+  ``family``; ``bandwidth`` events follow the joined links.
 
 Time-based families turn seconds into iterations with a nominal ``iteration_s`` (1 s).
 Families that do not vary the link take ``link_Bps`` (bytes/s, or text such as
@@ -260,9 +261,11 @@ def _preemption(p: _Preemption, stages: int, iterations: int, rng: np.random.Gen
 def _mixture(p: _Mixture, stages: int, iterations: int, rng: np.random.Generator) -> _Parts:
     parts = _Parts.quiet(iterations, stages)
     for name, child in zip(p.of, rng.spawn(len(p.of)), strict=True):  # a stream each
-        parts = parts.join(FAMILIES[name].build(p.components[name], stages, iterations, child))
-    for events in parts.events:  # the bandwidth events follow the joined links
-        events[:] = [e for e in events if e["kind"] != "bandwidth"]
+        part = FAMILIES[name].build(p.components[name], stages, iterations, child)
+        for events in part.events:
+            for e in events:
+                e["family"] = name  # whose job or preemption it is
+        parts = parts.join(part)
     return parts
 
 
