@@ -221,6 +221,8 @@ def _row(data: Any, index: int, stages: int, where: str) -> TraceRow:
             device=tuple(_devices(data.get("device", []), where, stages)),
             events=tuple(_events(data.get("events", []), where, stages)),
         )
+    except PlanError:  # a ValueError too, already saying where
+        raise
     except (TypeError, ValueError) as exc:
         raise PlanError(f"{where}: {exc}") from None
     _check_row(row, stages, where)

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``adaptipe`` parser; each sub-command's ``func`` is its module's ``run``."""
     from adaptipe.cli import (
         collect,
+        controllers,
         hosts,
         inject,
         japsp,
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         repartition,
         manage,
         trace,
+        controllers,
         prepare,
     ):
         command.add_parser(sub)
