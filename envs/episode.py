@@ -51,9 +51,15 @@ on this 2-core machine, one thread; the GPT with 14 blocks, 16 layers)."""
 
 @functools.lru_cache(maxsize=8)
 def load_profile(model: str) -> Profile:
-    """The built-in profile of a zoo model (one of `MODELS`)."""
+    """The built-in profile of a zoo model (one of `MODELS`), or a profile file (a path
+    ending in ``.json``, e.g. a run's ``profile.json``)."""
+    if model.endswith(".json"):
+        return load_json_file(model, Profile.from_json)
     if model not in MODELS:
-        raise PlanError(f"episode: model must be one of {', '.join(MODELS)} (got {model!r})")
+        raise PlanError(
+            f"episode: model must be one of {', '.join(MODELS)} or a profile's .json path "
+            f"(got {model!r})"
+        )
     return load_json_file(PROFILES / f"{model}.json", Profile.from_json)
 
 
@@ -61,7 +67,7 @@ def load_profile(model: str) -> Profile:
 class EpisodeSettings:
     """What an episode trains and how it is measured."""
 
-    model: str = "gpt"
+    model: str = "gpt"  # one of MODELS, or a profile file
     stages: int = 4
     microbatches: int = 8
     iterations_per_step: int = 10  # K: a step of the environment
@@ -164,16 +170,14 @@ class Episode:
         moving = moved_layers(self.bounds, bounds)
         if not moving:
             return 0.0
-        if method == "restart":
-            return float(getattr(self.settings.cost, "restart_s", 4.5))
-        state = sum(
-            self.profile.layers[i].param_bytes + self.profile.layers[i].optimizer_bytes
-            for i in moving
-        )
+        layers = self.profile.layers
+        state = sum(layers[i].param_bytes + layers[i].optimizer_bytes for i in moving)
         row = min(self.iteration, self.trace.iterations - 1)
         crossed = _crossed_links(self.bounds, bounds, moving)
         bw = min((self._bws[row, s] for s in crossed), default=math.inf)
-        return self.settings.cost.stall_s(int(state), bw if math.isfinite(bw) else _FREE_BPS)
+        return self.settings.cost.switch_s(
+            method, int(state), bw if math.isfinite(bw) else _FREE_BPS
+        )
 
     def run(self, bounds: Sequence[int] | None = None, *, method: str = "live") -> StepResult:
         """Train the next step on ``bounds`` (None: the partition in force)."""

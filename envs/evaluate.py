@@ -71,7 +71,7 @@ def run_controller(
             episode.run()
     while not episode.done:
         decision = controller.decide(episode.observation())
-        episode.run(decision.bounds, method=getattr(decision, "method", "live"))
+        episode.run(decision.bounds, method=decision.method)
     return episode
 
 
