@@ -6,7 +6,8 @@ Building the parser imports no torch; each ``_run_*`` imports what it calls.
 
 - ``generate FAMILY``: a seeded trace (`adaptipe.envs.generators`);
 - ``record RUN_DIR``: a real run's trace (`adaptipe.envs.record`);
-- ``scenario TRACE``: a trace as an injection scenario (`adaptipe.envs.replay`).
+- ``scenario TRACE``: a trace as an injection scenario (`adaptipe.envs.replay`);
+- ``eval``: every baseline and the oracle on the held-out traces (`adaptipe.envs.evaluate`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def add_parser(subparsers: Actions) -> argparse.ArgumentParser:
     """Add ``adaptipe controllers ACTION`` to the ``adaptipe`` command."""
     p = subparsers.add_parser(
         "controllers",
-        help="traces for the re-partitioning controllers: generate, record, replay as a scenario",
+        help="the re-partitioning controllers' traces and evaluation: generate, record, "
+        "scenario, eval",
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for add in (_add_generate, _add_record, _add_scenario):
+    for add in (_add_generate, _add_record, _add_scenario, _add_eval):
         add(actions)
     p.set_defaults(func=run)
     return p
@@ -123,6 +125,72 @@ def _run_scenario(args: argparse.Namespace) -> int:
     atomic_write_text(args.out, text)
     scenario = load_scenario(args.out, num_stages=trace.stages)  # it loads back
     print(f"wrote {args.out}: {len(scenario.injections)} injections from {args.trace}")
+    return 0
+
+
+def _add_eval(actions: Actions) -> None:
+    p = actions.add_parser(
+        "eval", help="every baseline and the oracle on the held-out traces (docs/envs.md)"
+    )
+    p.add_argument("--traces", help="evaluate on the *.jsonl traces in this folder instead")
+    p.add_argument("--out", default="runs/controllers-eval", help="where eval.json and eval.png go")
+    p.add_argument("--model", default="gpt", help="gpt, cnn or a profile .json (default gpt)")
+    p.add_argument("--families", help="comma-separated: only these held-out families")
+    p.add_argument("--no-tune", action="store_true", help="the baselines' default settings")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(action_func=_run_eval)
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from adaptipe.envs.episode import EpisodeSettings
+    from adaptipe.envs.evaluate import evaluate, plot_report
+    from adaptipe.envs.heldout import heldout_traces
+    from adaptipe.envs.trace import load_trace
+    from adaptipe.envs.tuning import baseline_factories, training_traces, tune_baselines
+    from adaptipe.serial import write_json
+
+    if args.traces is not None:
+        files = sorted(Path(args.traces).glob("*.jsonl"))
+        if not files:
+            raise PlanError(f"{args.traces}: no *.jsonl trace files")
+        traces = [load_trace(f) for f in files]
+    else:
+        wanted = args.families.split(",") if args.families else None
+        traces = heldout_traces(families=wanted)
+    stages = {t.stages for t in traces}
+    if len(stages) != 1:
+        raise PlanError(f"eval: the traces have different stage counts {sorted(stages)}")
+    settings = EpisodeSettings(model=args.model, stages=stages.pop())
+    tuned = {}
+    if not args.no_tune:
+        print("tuning the baselines on training traces ...", file=sys.stderr)
+        tuned = tune_baselines(training_traces(stages=settings.stages), settings)
+        for t in tuned.values():
+            print(f"  {t.name}: {t.params}", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r  {done}/{total} runs", end="", file=sys.stderr, flush=True)
+
+    report = evaluate(baseline_factories(tuned), traces, settings, progress=progress)
+    print(file=sys.stderr)
+    data = report.to_json() | {"tuned": {t.name: t.params for t in tuned.values()}}
+    out = Path(args.out)
+    write_json(out / "eval.json", data)
+    plot = plot_report(report, out / "eval.png")
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
+    print(f"{'controller':<18}{'family':<17}{'traces':>6}{'mean':>7}{'std':>7}{'min':>7}"
+          f"{'max':>7}{'moves':>7}")  # fmt: skip
+    for row in sorted(report.table(), key=lambda r: (r["family"], -r["mean"])):
+        print(
+            f"{row['controller']:<18}{row['family']:<17}{row['traces']:>6}{row['mean']:>7.3f}"
+            f"{row['std']:>7.3f}{row['min']:>7.3f}{row['max']:>7.3f}{row['switches']:>7.1f}"
+        )
+    print(f"wrote {out / 'eval.json'} and {plot}")
     return 0
 
 
