@@ -151,7 +151,8 @@ def _baseline(
     if run.profile_json.exists():
         return load_json_file(run.profile_json, Profile.from_json), "profile.json"
     if run.partition_json.exists():
-        layers, model = run.read_partition().num_layers, run.read_partition().model
+        planned = run.read_partition()
+        layers, model = planned.num_layers, planned.model
     else:
         counted = [r for r in records if isinstance(r, StageStats)]
         layers, model = max(r.first_layer + len(r.forward_s) for r in counted), "model"
