@@ -183,16 +183,23 @@ def plot_report(report: EvalReport, path: str | Path) -> Path:
         got = {r["family"]: r for r in rows if r["controller"] == name}
         xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(families))]
         means = [got[f]["mean"] if f in got else 0.0 for f in families]
-        low = [m - got[f]["min"] if f in got else 0.0 for f, m in zip(families, means, strict=True)]
+        # max(..., 0): a mean of equal fractions can round past its min or max
+        low = [
+            max(m - got[f]["min"], 0.0) if f in got else 0.0
+            for f, m in zip(families, means, strict=True)
+        ]
         high = [
-            got[f]["max"] - m if f in got else 0.0 for f, m in zip(families, means, strict=True)
+            max(got[f]["max"] - m, 0.0) if f in got else 0.0
+            for f, m in zip(families, means, strict=True)
         ]
         ax.bar(xs, means, width, yerr=[low, high], capsize=2, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(families)), families)
     ax.set_ylabel("throughput / oracle's")
     ax.set_ylim(0.0, 1.05)
-    ax.legend(fontsize="small", ncols=min(len(names), 4), loc="lower right")
+    ax.legend(  # below the axes: the bars reach the top and the bottom
+        fontsize="small", ncols=min(len(names), 7), loc="upper center", bbox_to_anchor=(0.5, -0.1)
+    )
     ax.set_title(f"controllers on held-out traces ({report.settings.get('model')}, "
                  f"{report.settings.get('stages')} stages)")  # fmt: skip
     fig.tight_layout()
