@@ -22,7 +22,8 @@ against (`adaptipe.controllers.interference_cv`).
 Prediction does not go through scikit-learn's ``predict``, whose per-call overhead
 (input validation, a joblib dispatch over the trees) is about a millisecond even with
 ``n_jobs=1``: the fitted trees are packed into flat arrays once and every row descends
-all 128 trees at once, one numpy step per level (`_PackedForest`), with the same result.
+all 128 trees at once, one numpy step per level (`_PackedForest`), with the same result
+(batches of 256 rows and more go to scikit-learn, faster in bulk).
 
 The artifact (model ``interference``) is the scikit-learn forest as a skops file, loaded
 only with an explicit list of trusted types (`TRUSTED_TYPES`): nothing else in the file
@@ -65,10 +66,11 @@ MODEL = "interference"
 FORMAT = 1
 FOREST_FILE = "forest.skops"
 _MIB = float(2**20)
+_BULK_ROWS = 256  # from here on scikit-learn's predict is faster (bench_interference)
 
 #: The forest's hyper-parameters. 128 trees as DynPipe; leaves of at least 8 rows and
-#: at most 12 levels keep the shipped file small (fully grown trees on ~50k rows are
-#: tens of MB) and cost nothing measurable in grouped-CV error (docs/interference.md).
+#: at most 12 levels keep the shipped file small (0.5 MB deflated on 48k rows) and the
+#: packed descent short (docs/interference.md).
 FOREST_PARAMS: dict[str, Any] = {
     "n_estimators": 128,
     "max_depth": 12,
@@ -214,6 +216,8 @@ class InterferenceModel:
         x = x.reshape(1, -1) if one else x
         if x.ndim != 2 or x.shape[1] != len(INPUTS):
             raise PlanError(f"interference model: rows of {len(INPUTS)} inputs (got {x.shape})")
+        if len(x) >= _BULK_ROWS:  # the descent's fancy indexing loses to sklearn's loops
+            return np.asarray(self.forest.predict(x), dtype=np.float64)
         return self._packed.predict(x)
 
     def to_bytes(self) -> bytes:
