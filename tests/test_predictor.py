@@ -112,3 +112,17 @@ def test_the_trained_model_beats_a_constant(trained: Path) -> None:
     pred = np.asarray(data.analytical_s) * np.exp(out)
     constant = np.full_like(true, np.median(true))  # the best constant, in hindsight
     assert np.mean(np.abs(pred / true - 1)) < np.mean(np.abs(constant / true - 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # about 5 minutes of rollouts and training
+def test_seeded_training_reproduces_the_shipped_artifact(tmp_path: Path) -> None:
+    from adaptipe.controllers.artifacts import shipped
+
+    again = train_predictor(seed=0, out=tmp_path / "shipped")
+    a, b = (json.loads((p / "artifact.json").read_text()) for p in (shipped("predictor"), again))
+    for m in (a, b):
+        for key in ("seconds", "data_seconds"):
+            m["training"].pop(key)
+    assert a["training"] == b["training"] and a["metrics"] == b["metrics"]
+    assert a["files"] == b["files"]
