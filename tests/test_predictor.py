@@ -1,0 +1,128 @@
+"""The LSTM speed predictor (`adaptipe.controllers.predictor`): its encoding's shapes,
+an artifact that round-trips and refuses tampering or a config it does not fit, seeded
+training that reproduces itself, and a trained model that beats a constant."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from adaptipe.controllers.predictor import (
+    PredictorConfig,
+    encode,
+    load_predictor,
+    train_predictor,
+)
+from adaptipe.controllers.predictor_train import Dataset, rollout
+from adaptipe.envs.episode import Episode, EpisodeSettings
+from adaptipe.envs.generators import generate
+from adaptipe.errors import PlanError
+
+TINY = {"episodes": 1, "iterations": 60, "epochs": 4, "families": ("poisson-heavy",)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    return train_predictor(seed=3, out=tmp_path_factory.mktemp("p") / "a", **TINY)
+
+
+def _observation():  # type: ignore[no-untyped-def]
+    settings = EpisodeSettings()
+    episode = Episode(generate("poisson-heavy", stages=4, iterations=40, seed=5), settings, seed=1)
+    episode.run()
+    return episode.observation()
+
+
+def test_encoding_has_the_configs_shapes() -> None:
+    obs = _observation()
+    config = PredictorConfig()
+    cands = [obs.bounds, (0, 3, 7, 11, 16), (0, 5, 9, 13, 16)]
+    enc = encode(obs, cands, config)
+    assert enc.series.shape == (config.window, config.dynamic_size) == (8, 16 + 8)
+    assert enc.static.shape == (config.static_size,)
+    assert enc.candidates.shape == (3, config.candidate_size)
+    assert enc.analytical_s.shape == (3,) and np.all(enc.analytical_s > 0)
+    assert np.isfinite(enc.series).all() and np.isfinite(enc.candidates).all()
+    # the one-hot says which stage holds each layer
+    onehot = enc.candidates[1, : 16 * 4].reshape(16, 4)
+    assert onehot.sum(axis=1).tolist() == [1.0] * 16 and onehot[3].argmax() == 1
+
+
+def test_an_observation_of_another_pipeline_is_refused() -> None:
+    with pytest.raises(PlanError, match="trained for 16 layers on 3 stages"):
+        encode(_observation(), [], PredictorConfig(stages=3))
+    with pytest.raises(PlanError, match="is not a partition of this pipeline"):
+        encode(_observation(), [(0, 8, 16)], PredictorConfig())
+
+
+def test_the_artifact_round_trips_to_the_same_predictions(trained: Path) -> None:
+    obs = _observation()
+    cands = [obs.bounds, (0, 3, 7, 11, 16)]
+    first, again = load_predictor(trained), load_predictor(trained)
+    assert first.predict(obs, cands) == again.predict(obs, cands)
+    assert all(v > 0 for v in first.predict(obs, cands))
+    assert first.meta["training"]["seed"] == 3
+
+
+def test_a_tampered_or_mismatched_artifact_is_refused(trained: Path, tmp_path: Path) -> None:
+    bad = Path(shutil.copytree(trained, tmp_path / "tampered"))
+    blob = bytearray((bad / "weights.safetensors").read_bytes())
+    blob[-1] ^= 1
+    (bad / "weights.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(PlanError, match="changed after training"):
+        load_predictor(bad)
+    # a config that the weights do not fit, with its digest made to match
+    other = Path(shutil.copytree(trained, tmp_path / "mismatched"))
+    config = json.loads((other / "config.json").read_text()) | {"hidden": 16}
+    data = (json.dumps(config) + "\n").encode()
+    (other / "config.json").write_bytes(data)
+    manifest = json.loads((other / "artifact.json").read_text())
+    manifest["files"]["config.json"] = hashlib.sha256(data).hexdigest()
+    (other / "artifact.json").write_text(json.dumps(manifest))
+    with pytest.raises(PlanError, match="the weights do not fit"):
+        load_predictor(other)
+
+
+def test_seeded_training_is_reproducible(trained: Path, tmp_path: Path) -> None:
+    again = train_predictor(seed=3, out=tmp_path / "b", **TINY)
+    a, b = (json.loads((p / "artifact.json").read_text()) for p in (trained, again))
+    for m in (a, b):
+        for key in ("seconds", "data_seconds"):
+            m["training"].pop(key)
+    assert a["training"] == b["training"] and a["metrics"] == b["metrics"]
+    assert a["files"] == b["files"]  # same sha256: the same weights and config, byte for byte
+
+
+def test_the_trained_model_beats_a_constant(trained: Path) -> None:
+    predictor = load_predictor(trained)
+    data = Dataset()
+    trace = generate("poisson-heavy", stages=4, iterations=60, seed=999_000)
+    rollout(trace, EpisodeSettings(), predictor.config, data, seed=7, switch_p=0.25)
+    true = np.asarray(data.true_s)
+    series, static, cand, decision = data.tensors()
+    with torch.inference_mode():
+        out = predictor.network(series[decision], static[decision], cand).double().numpy()
+    pred = np.asarray(data.analytical_s) * np.exp(out)
+    constant = np.full_like(true, np.median(true))  # the best constant, in hindsight
+    assert np.mean(np.abs(pred / true - 1)) < np.mean(np.abs(constant / true - 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # about 5 minutes of rollouts and training
+def test_seeded_training_reproduces_the_shipped_artifact(tmp_path: Path) -> None:
+    from adaptipe.controllers.artifacts import shipped
+
+    again = train_predictor(seed=0, out=tmp_path / "shipped")
+    a, b = (json.loads((p / "artifact.json").read_text()) for p in (shipped("predictor"), again))
+    for m in (a, b):
+        for key in ("seconds", "data_seconds"):
+            m["training"].pop(key)
+    assert a["training"] == b["training"] and a["metrics"] == b["metrics"]
+    assert a["files"] == b["files"]
