@@ -61,13 +61,13 @@ def _must_show(overall: dict[str, dict[str, float]], learned: str) -> dict[str, 
         against[name] = {
             "ppo_minus_baseline": diff,
             "baseline_spread": row["spread"],
-            "ok": diff >= -row["spread"],
+            "ok": bool(diff >= -row["spread"]),
         }
     return {
         "against_baselines": against,
         "oracle": {
             "throughput_over_oracle": ppo["throughput_over_oracle"],
-            "ok": ppo["throughput_over_oracle"] >= 0.95,
+            "ok": bool(ppo["throughput_over_oracle"] >= 0.95),
         },
     }
 
