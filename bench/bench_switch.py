@@ -9,7 +9,9 @@ and prints one JSON object:
 - ``overall``: per controller, the mean fraction over all traces and the std over the
   seeds of each family's fractions (the mean of those stds: the seed-to-seed spread);
 - ``must_show``: PPO against each non-oracle baseline (mean fraction minus the
-  baseline's, against the baseline's spread) and against the oracle (within 5%?);
+  baseline's, against the baseline's spread; and the families where PPO trails a
+  baseline by more than that baseline's std there) and against the oracle (throughput
+  within 5%?);
 - ``latency_s``: `LearnedSwitch.decide`'s median and p99 over observations taken from
   held-out episodes.
 
@@ -51,7 +53,21 @@ def _overall(report: EvalReport) -> dict[str, dict[str, float]]:
     return out
 
 
-def _must_show(overall: dict[str, dict[str, float]], learned: str) -> dict[str, Any]:
+def _per_family(report: EvalReport, learned: str) -> list[dict[str, Any]]:
+    """Per baseline and family: the learned controller's mean fraction minus the
+    baseline's, against the baseline's std over that family's seeds."""
+    rows = {(r["controller"], r["family"]): r for r in report.table()}
+    out = []
+    for (name, family), row in rows.items():
+        if name in (learned, "oracle"):
+            continue
+        diff = rows[(learned, family)]["mean"] - row["mean"]
+        out.append({"baseline": name, "family": family, "ppo_minus_baseline": diff,
+                    "baseline_std": row["std"], "ok": bool(diff >= -row["std"])})  # fmt: skip
+    return out
+
+
+def _must_show(report: EvalReport, overall: dict[str, dict[str, float]], learned: str) -> Any:
     ppo = overall[learned]
     against = {}
     for name, row in overall.items():
@@ -65,6 +81,7 @@ def _must_show(overall: dict[str, dict[str, float]], learned: str) -> dict[str, 
         }
     return {
         "against_baselines": against,
+        "per_family_failures": [r for r in _per_family(report, learned) if not r["ok"]],
         "oracle": {
             "throughput_over_oracle": ppo["throughput_over_oracle"],
             "ok": bool(ppo["throughput_over_oracle"] >= 0.95),
@@ -114,7 +131,7 @@ def main() -> None:
         "eval_seconds": time.perf_counter() - t0,
         "table": report.table(),
         "overall": overall,
-        "must_show": _must_show(overall, "ppo"),
+        "must_show": _must_show(report, overall, "ppo"),
         "latency_s": _latency(LearnedSwitch(policy), traces[::5], settings),
     }
     print(json.dumps(out, indent=1))
