@@ -250,7 +250,7 @@ def train_switch(
     *,
     seed: int = 0,
     out: Path | None = None,
-    timesteps: int = 40_000,
+    timesteps: int = 64_000,
     progress: bool | Progress = True,
     n_envs: int = 4,
     settings: TrainSettings = TrainSettings(),
