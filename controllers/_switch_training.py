@@ -1,0 +1,126 @@
+"""PPO on ``adaptipe/PipelineSwitch-v0``: the environments, reward scale, seeding and
+progress that `adaptipe.controllers.switch_policy.train_switch` trains with.
+
+stable-baselines3 is imported here only, so that loading and running a trained policy
+never imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, SupportsFloat
+
+import gymnasium as gym
+import numpy as np
+
+from adaptipe.errors import PlanError
+
+if TYPE_CHECKING:
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.running_mean_std import RunningMeanStd
+
+    from adaptipe.controllers.switch_policy import Progress, TrainSettings
+    from adaptipe.envs.episode import EpisodeSettings
+
+__all__ = ["ScaledReward", "learn", "quiet_samples_per_s"]
+
+
+def quiet_samples_per_s(settings: EpisodeSettings) -> float:
+    """Samples/s of the initial plan with no interference: the reward's unit."""
+    from adaptipe.envs.episode import initial_bounds
+    from adaptipe.sim.conditions import iteration_times
+
+    costs = settings.layer_costs()
+    s = settings.stages
+    t = iteration_times(
+        costs, initial_bounds(settings), np.ones((1, s)), np.full((1, s - 1), np.inf)
+    )
+    return costs.samples_per_iteration / float(t[0])
+
+
+class ScaledReward(gym.RewardWrapper):
+    """The environment's reward over `quiet_samples_per_s`.
+
+    The raw reward is 100-300 samples/s, so the critic's targets run to thousands over
+    an episode; PPO clips the gradient of actor and critic together (norm 0.5), and a
+    loss that large leaves the actor almost no step. A fixed unit (unlike VecNormalize's
+    running reward scale) keeps the reward a plain fraction of the quiet speed."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.unit = quiet_samples_per_s(env.unwrapped.settings)  # type: ignore[attr-defined]
+
+    def reward(self, reward: SupportsFloat) -> float:
+        return float(reward) / self.unit
+
+
+def _progress_callback(progress: Progress, total: int) -> Any:
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class _Report(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+        def _on_rollout_end(self) -> None:
+            progress(min(self.num_timesteps, total), total)
+
+        def _on_training_end(self) -> None:
+            progress(min(self.num_timesteps, total), total)
+
+    return _Report()
+
+
+def _printer(done: int, total: int) -> None:
+    print(f"train switch: {done}/{total} timesteps ({100 * done / total:.0f}%)", flush=True)
+
+
+def learn(
+    *, seed: int, timesteps: int, progress: bool | Progress, n_envs: int, settings: TrainSettings
+) -> tuple[PPO, RunningMeanStd | None, dict[str, Any]]:
+    """Train; the model, VecNormalize's observation statistics (None without) and the
+    episodes' settings."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.utils import set_random_seed
+    from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
+
+    import adaptipe.envs  # noqa: F401 (registers the environments)
+    from adaptipe.controllers.switch_policy import ENV_ID
+    from adaptipe.envs.episode import EpisodeSettings
+
+    if timesteps < 1 or n_envs < 1:
+        raise PlanError(f"train switch: timesteps and n_envs must be >= 1 ({timesteps}, {n_envs})")
+    set_random_seed(seed)
+    episode = EpisodeSettings()
+    venv: Any = DummyVecEnv(
+        [lambda: ScaledReward(gym.make(ENV_ID, settings=episode)) for _ in range(n_envs)]
+    )
+    if settings.obs_norm:
+        venv = VecNormalize(venv, norm_obs=True, norm_reward=False, gamma=settings.gamma)
+    bar = progress is True and all(importlib.util.find_spec(m) for m in ("tqdm", "rich"))
+    callback = None
+    if callable(progress):
+        callback = _progress_callback(progress, timesteps)
+    elif progress and not bar:
+        callback = _progress_callback(_printer, timesteps)
+    model = PPO(
+        "MlpPolicy",
+        venv,
+        learning_rate=settings.learning_rate,
+        n_steps=settings.n_steps,
+        batch_size=settings.batch_size,
+        n_epochs=settings.n_epochs,
+        gamma=settings.gamma,
+        gae_lambda=settings.gae_lambda,
+        clip_range=settings.clip_range,
+        ent_coef=settings.ent_coef,
+        policy_kwargs={"net_arch": {"pi": list(settings.hidden), "vf": list(settings.hidden)}},
+        seed=seed,
+        device="cpu",
+        verbose=0,
+    )
+    model.learn(total_timesteps=timesteps, callback=callback, progress_bar=bar)
+    obs_rms = venv.obs_rms if settings.obs_norm else None
+    env = {k: v for k, v in asdict(episode).items() if k != "cost"}
+    env["cost"] = episode.cost.to_json()
+    return model, obs_rms, env
