@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check
 CONSTRAINTS ?= constraints.txt
-SOURCES := $(shell find adaptipe controllers envs models -name '*.py' 2>/dev/null)
+SOURCES := $(shell find adaptipe controllers envs models -type f \( -name '*.py' -o -name '*.json' -o -name '*.skops' -o -name '*.safetensors' \) 2>/dev/null)
 DEMO_DIR ?= runs/demo
 
 .PHONY: demo test test-all bench lint clean
@@ -20,7 +20,7 @@ $(VENV)/.deps: pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 # The editable install is a link tree (strict mode, so mypy sees the package-dir
-# mapping); re-link when source files come or go.
+# mapping); re-link when source files or package data (profiles, artifacts) come or go.
 $(VENV)/.linked: $(VENV)/.deps $(SOURCES)
 	$(PIP) install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 	touch $@

@@ -46,3 +46,15 @@ def test_eval_on_a_folder_of_traces_writes_table_json_and_plot(
 def test_eval_refuses_an_empty_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["controllers", "eval", "--traces", str(tmp_path), "--no-tune"]) != 0
     assert "no *.jsonl trace files" in capsys.readouterr().err
+
+
+def test_train_switch_from_the_command_line_writes_a_loadable_artifact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptipe.controllers.switch_policy import load_switch
+
+    out = tmp_path / "switch"
+    assert main(["controllers", "train", "switch", "--timesteps", "256", "--out", str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    policy = load_switch(out, stages=4)
+    assert policy.config.stages == 4

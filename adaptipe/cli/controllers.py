@@ -7,18 +7,23 @@ Building the parser imports no torch; each ``_run_*`` imports what it calls.
 - ``generate FAMILY``: a seeded trace (`adaptipe.envs.generators`);
 - ``record RUN_DIR``: a real run's trace (`adaptipe.envs.record`);
 - ``scenario TRACE``: a trace as an injection scenario (`adaptipe.envs.replay`);
-- ``eval``: every baseline and the oracle on the held-out traces (`adaptipe.envs.evaluate`).
+- ``eval``: every baseline and the oracle on the held-out traces (`adaptipe.envs.evaluate`);
+- ``train MODEL``: retrain a learned controller (``predictor``, ``switch``,
+  ``interference``) and write its artifact.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.errors import PlanError
 
 if TYPE_CHECKING:
+    from adaptipe.controllers.base import Controller
+    from adaptipe.envs.episode import EpisodeSettings
     from adaptipe.envs.trace import Trace
 
     Actions = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -34,7 +39,7 @@ def add_parser(subparsers: Actions) -> argparse.ArgumentParser:
         "scenario, eval",
     )
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for add in (_add_generate, _add_record, _add_scenario, _add_eval):
+    for add in (_add_generate, _add_record, _add_scenario, _add_eval, _add_train):
         add(actions)
     p.set_defaults(func=run)
     return p
@@ -174,9 +179,12 @@ def _run_eval(args: argparse.Namespace) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\r  {done}/{total} runs", end="", file=sys.stderr, flush=True)
 
-    report = evaluate(baseline_factories(tuned), traces, settings, progress=progress)
+    factories = baseline_factories(tuned) | _learned(settings)
+    report = evaluate(factories, traces, settings, progress=progress)
     print(file=sys.stderr)
     data = report.to_json() | {"tuned": {t.name: t.params for t in tuned.values()}}
+    data["predictor"] = _predictor_report(settings, held_out=args.traces is None)
+    data["interference"] = _forest_report()
     out = Path(args.out)
     write_json(out / "eval.json", data)
     plot = plot_report(report, out / "eval.png")
@@ -190,7 +198,114 @@ def _run_eval(args: argparse.Namespace) -> int:
             f"{row['controller']:<18}{row['family']:<17}{row['traces']:>6}{row['mean']:>7.3f}"
             f"{row['std']:>7.3f}{row['min']:>7.3f}{row['max']:>7.3f}{row['switches']:>7.1f}"
         )
+    _print_models(data)
     print(f"wrote {out / 'eval.json'} and {plot}")
+    return 0
+
+
+def _learned(settings: EpisodeSettings) -> dict[str, Callable[[], Controller]]:
+    """The shipped learned controllers that fit ``settings`` (a note for each that does not)."""
+    import sys
+
+    from adaptipe.controllers.switch_policy import LearnedSwitch, load_switch
+
+    try:
+        policy = load_switch(stages=settings.stages)
+    except PlanError as exc:
+        print(f"  ppo left out: {exc}", file=sys.stderr)
+        return {}
+    return {"ppo": lambda: LearnedSwitch(policy)}
+
+
+def _predictor_report(settings: EpisodeSettings, *, held_out: bool) -> dict[str, Any]:
+    """The shipped predictor's MAPE per held-out family against the analytical model."""
+    from adaptipe.controllers.predictor import load_predictor
+    from adaptipe.controllers.predictor_train import heldout_report
+
+    if not held_out:
+        return {"skipped": "the predictor is reported on the held-out traces only"}
+    try:
+        return heldout_report(load_predictor(), settings=settings)
+    except PlanError as exc:
+        return {"skipped": str(exc)}
+
+
+def _forest_report() -> dict[str, Any]:
+    """The shipped forest's scenario-grouped cross-validation against linear, MLP, stale."""
+    from adaptipe.controllers.artifacts import load_artifact, shipped
+    from adaptipe.controllers.interference import FORMAT
+
+    try:
+        art = load_artifact(shipped("interference"), model="interference", format=FORMAT)
+    except PlanError as exc:
+        return {"skipped": str(exc)}
+    models = art.metrics.get("models", {})
+    return {
+        "grouped_cv": {
+            name: {k: m[k] for k in ("mae", "mape") if k in m} for name, m in models.items()
+        }
+    }
+
+
+def _print_models(data: dict[str, Any]) -> None:
+    families = data["predictor"].get("families")
+    if families:
+        print(
+            f"\npredictor MAPE, next 10 iterations (noise floor {data['predictor']['noise_floor']:.2%}):"
+        )
+        for family, row in families.items():
+            print(
+                f"  {family:<17} predictor {row['predictor']:.2%}  analytical {row['analytical']:.2%}"
+            )
+    cv = data["interference"].get("grouped_cv")
+    if cv:
+        print("\ninterference model, scenario-grouped CV (from its training):")
+        for name, row in cv.items():
+            print(
+                f"  {name:<8} MAE {row.get('mae', float('nan')):.4f}  MAPE {row.get('mape', float('nan')):.2%}"
+            )
+
+
+def _add_train(actions: Actions) -> None:
+    p = actions.add_parser(
+        "train", help="retrain a learned controller and write its artifact (docs/envs.md)"
+    )
+    p.add_argument("model", choices=("predictor", "switch", "interference"))
+    p.add_argument("--seed", type=int, default=0, help="the same seed, the same artifact")
+    p.add_argument("--out", help="the artifact folder (default: the shipped one)")
+    p.add_argument(
+        "--timesteps", type=int, help="switch: PPO timesteps (default: the shipped run's)"
+    )
+    p.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        help="interference: a collect-interference CSV to train on besides synthetic data (repeat)",
+    )
+    p.set_defaults(action_func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import time
+
+    out = Path(args.out) if args.out else None
+    t0 = time.monotonic()
+    if args.model == "predictor":
+        from adaptipe.controllers.predictor import train_predictor
+
+        path = train_predictor(seed=args.seed, out=out, progress=print)
+    elif args.model == "switch":
+        from adaptipe.controllers.switch_policy import train_switch
+
+        extra = {"timesteps": args.timesteps} if args.timesteps else {}
+        path = train_switch(seed=args.seed, out=out, progress=True, **extra)
+    else:
+        from adaptipe.controllers.interference import train_interference
+
+        path = train_interference(
+            seed=args.seed, out=out, data=[Path(d) for d in args.data], progress=print
+        )
+    print(f"wrote {path} in {time.monotonic() - t0:.0f} s")
     return 0
 
 
