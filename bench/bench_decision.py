@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from adaptipe.controllers.candidates import top_k
+from adaptipe.controllers.encode import encode
 from adaptipe.controllers.interference import features, load_interference, stage_info
 from adaptipe.controllers.predictor import load_predictor
 from adaptipe.controllers.switch_policy import load_switch
-from adaptipe.envs.encode import encode
 from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.heldout import heldout_traces
 

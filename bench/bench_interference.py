@@ -1,6 +1,6 @@
 """The interference model against its rivals, and what one prediction costs.
 
-Runs scenario-grouped cross-validation (`adaptipe.controllers.interference_cv`) of the
+Runs scenario-grouped cross-validation (`adaptipe.envs.interference_cv`) of the
 forest, linear regression, the MLP and stale information on the synthetic traces
 (`TraceSpec`, by default the shipped artifact's) plus any collect-interference CSVs, and
 times a single-row prediction of the shipped forest: the packed descent
@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from adaptipe.controllers.interference import load_interference
-from adaptipe.controllers.interference_cv import grouped_cv
-from adaptipe.controllers.interference_data import TraceSpec, build_dataset
+from adaptipe.envs.interference_cv import grouped_cv
+from adaptipe.envs.interference_data import TraceSpec, build_dataset
 
 
 def _latency(fn: Callable[[], object], repeats: int) -> dict[str, float]:

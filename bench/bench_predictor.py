@@ -27,10 +27,10 @@ import torch
 
 from adaptipe.controllers.candidates import top_k
 from adaptipe.controllers.predictor import load_predictor
-from adaptipe.controllers.predictor_train import heldout_report
 from adaptipe.controllers.replan import stage_slowdowns
 from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.heldout import heldout_traces
+from adaptipe.envs.predictor_train import heldout_report
 
 
 def _decision_s(predictor, traces) -> tuple[float, float]:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ stage_param_mib    log1p of the parameters' MiB (memory and cache pressure)
 The stage's measured recent slowdown is *not* an input: the forest is asked what a
 stage (possibly one a re-partition has not built yet) would suffer on a device in this
 state, and "the last measured slowdown" is the stale-information baseline it is judged
-against (`adaptipe.controllers.interference_cv`).
+against (`adaptipe.envs.interference_cv`).
 
 Prediction does not go through scikit-learn's ``predict``, whose per-call overhead
 (input validation, a joblib dispatch over the trees) is about a millisecond even with
@@ -33,10 +33,8 @@ can be instantiated, and no pickle runs.
 from __future__ import annotations
 
 import math
-import platform
-import time
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -44,7 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from adaptipe.controllers.artifacts import load_artifact, save_artifact, shipped
+from adaptipe.controllers.artifacts import load_artifact, shipped
 from adaptipe.errors import PlanError
 from adaptipe.monitor.features import FEATURES, feature_vector
 from adaptipe.monitor.schema import DeviceSample
@@ -58,7 +56,6 @@ __all__ = [
     "features",
     "load_interference",
     "stage_info",
-    "train_interference",
 ]
 
 Array = npt.NDArray[np.float64]
@@ -257,49 +254,3 @@ def load_interference(path: str | Path | None = None) -> InterferenceModel:
         art.files[FOREST_FILE], where=str(root / FOREST_FILE),
         training=dict(art.training), metrics=dict(art.metrics),
     )  # fmt: skip
-
-
-def train_interference(
-    *,
-    seed: int = 0,
-    out: Path | None = None,
-    data: Sequence[Path] = (),
-    progress: Callable[[str], None] | None = None,
-    spec: Any = None,
-    folds: int = 5,
-) -> Path:
-    """Build the dataset (synthetic traces, ``spec``: default `TraceSpec()`, plus the collect
-    CSVs in ``data``), compare the forest with linear, MLP and stale on scenario-grouped
-    ``folds``-fold CV, fit on every row and save the artifact in ``out`` (default: the
-    shipped folder). Returns ``out``."""
-    import sklearn
-
-    from adaptipe.controllers.interference_cv import grouped_cv
-    from adaptipe.controllers.interference_data import TraceSpec, build_dataset
-
-    say = progress or (lambda _: None)
-    began = time.perf_counter()
-    spec = TraceSpec() if spec is None else spec
-    ds = build_dataset(spec=spec, data=data)
-    say(f"dataset: {len(ds)} rows, {ds.num_groups} scenarios ({time.perf_counter() - began:.1f} s)")
-    metrics = grouped_cv(ds, seed=seed, folds=folds, progress=say)
-    model = InterferenceModel.fit(ds.x, ds.y, seed=seed)
-    say(f"fitted the forest on every row ({time.perf_counter() - began:.1f} s)")
-    blob = model.to_bytes()
-    training = {
-        "seed": seed,
-        "rows": len(ds),
-        "groups": ds.num_groups,
-        "dataset_sha256": ds.digest(),
-        "traces": spec.to_json(),
-        "data": [str(s) for s in ds.sources],
-        "inputs": list(INPUTS),
-        "params": dict(FOREST_PARAMS, n_jobs=1, random_state=seed),
-        "folds": folds,
-        "seconds": round(time.perf_counter() - began, 1),
-        "sklearn": sklearn.__version__,
-        "python": platform.python_version(),
-    }
-    root = Path(out) if out is not None else shipped(MODEL)
-    return save_artifact(root, model=MODEL, format=FORMAT, files={FOREST_FILE: blob},
-                         training=training, metrics=metrics)  # fmt: skip

@@ -63,7 +63,6 @@ __all__ = [
     "SpeedPredictor",
     "encode",
     "load_predictor",
-    "train_predictor",
 ]
 
 FORMAT = 1
@@ -317,13 +316,6 @@ def load_predictor(path: str | Path | None = None) -> Predictor:
             "it with `adaptipe controllers train predictor`"
         ) from None
     return Predictor(network, config, meta={"training": art.training, "metrics": art.metrics})
-
-
-def train_predictor(**kwargs: Any) -> Path:
-    """Train and save a predictor (`adaptipe.controllers.predictor_train.train_predictor`)."""
-    from adaptipe.controllers.predictor_train import train_predictor as train
-
-    return train(**kwargs)
 
 
 def config_bytes(config: PredictorConfig) -> bytes:

@@ -7,7 +7,7 @@ one, and outputs "whether or not to switch", rewarded by "the training speed of 
 iteration ... [with] the normalized switching cost" (seed 003, §4.3). Here:
 
 - **policy**: stable-baselines3 ``PPO("MlpPolicy")`` with actor and critic each
-  ``tanh`` 32-16, on the environment's observation (`adaptipe.envs.encode.encode`);
+  ``tanh`` 32-16, on the environment's observation (`adaptipe.controllers.encode.encode`);
   action 0 keeps, 1 moves to the best candidate (`adaptipe.controllers.candidates.top_k`,
   k = 1, on the measured slowdowns).
 - **reward**: the environment's samples/s net of the switch's stall (the cost is paid
@@ -26,7 +26,6 @@ iteration ... [with] the normalized switching cost" (seed 003, §4.3). Here:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,9 +40,9 @@ from safetensors.torch import save as save_tensors
 from adaptipe.controllers.artifacts import load_artifact, save_artifact, shipped
 from adaptipe.controllers.base import Decision
 from adaptipe.controllers.candidates import top_k
+from adaptipe.controllers.encode import encode, encoded_size
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.replan import stage_slowdowns
-from adaptipe.envs.encode import encode, encoded_size
 from adaptipe.errors import PlanError
 
 __all__ = [
@@ -56,7 +55,6 @@ __all__ = [
     "from_sb3",
     "load_switch",
     "save_switch",
-    "train_switch",
 ]
 
 ENV_ID = "adaptipe/PipelineSwitch-v0"
@@ -246,37 +244,6 @@ class TrainSettings:
     obs_norm: bool = True
 
 
-def train_switch(
-    *,
-    seed: int = 0,
-    out: Path | None = None,
-    timesteps: int = 64_000,
-    progress: bool | Progress = True,
-    n_envs: int = 4,
-    settings: TrainSettings = TrainSettings(),
-) -> Path:
-    """Train the switch policy with PPO and save it as an artifact in ``out`` (default:
-    the shipped folder). Seeded: the same arguments give the same weights.
-
-    Args:
-        timesteps: environment steps in all (about 7 ms each here).
-        progress: True for a progress bar (SB3's, or printed lines without tqdm and
-            rich), a callable for ``(done, total)`` calls, False for none.
-        n_envs: environments stepped in lockstep (one process).
-    """
-    from adaptipe.controllers._switch_training import learn
-
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    model, obs_rms, env_settings = learn(
-        seed=seed, timesteps=timesteps, progress=progress, n_envs=n_envs, settings=settings
-    )
-    policy = from_sb3(model, obs_rms, env_settings, hidden=settings.hidden)
-    training = training_metadata(seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings)
-    training["seconds"] = round(time.perf_counter() - start, 1)
-    return save_switch(policy, out if out is not None else shipped(MODEL), training=training)
-
-
 def from_sb3(
     model: Any, obs_rms: Any, env_settings: Mapping[str, Any], *, hidden: tuple[int, ...]
 ) -> SwitchPolicy:
@@ -298,21 +265,3 @@ def from_sb3(
         policy.obs_mean.copy_(torch.as_tensor(obs_rms.mean, dtype=torch.float64))
         policy.obs_var.copy_(torch.as_tensor(obs_rms.var, dtype=torch.float64))
     return policy.eval()
-
-
-def training_metadata(
-    *, seed: int, timesteps: int, n_envs: int, settings: TrainSettings
-) -> dict[str, Any]:
-    """What `train_switch` records of how the policy was made (all but its seconds)."""
-    from adaptipe.envs.heldout import TRAINING_FAMILIES
-
-    return {
-        "algorithm": "PPO (stable-baselines3 MlpPolicy)",
-        "env": ENV_ID,
-        "seed": seed,
-        "timesteps": timesteps,
-        "n_envs": n_envs,
-        "families": list(TRAINING_FAMILIES),
-        "reward": "samples/s net of stalls over the initial plan's quiet samples/s",
-        "ppo": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
-    }

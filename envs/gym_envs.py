@@ -18,7 +18,7 @@ than the one in force, scored by the simulator on the measured slowdowns
 - ``PipelineRepartition-v0``: ``Discrete(K + 1)``: 0 stays, ``k`` switches to candidate
   ``k`` (DynPipe's choice among K).
 
-The observation is `adaptipe.envs.encode.encode` of the `Observation` that
+The observation is `adaptipe.controllers.encode.encode` of the `Observation` that
 `adaptipe.controllers.observe` builds from the episode's telemetry records, with the
 candidates' predicted times. ``info`` carries the step's samples/s, stall, partition
 and iteration.
@@ -33,9 +33,9 @@ import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
 
+from adaptipe.controllers.encode import HIGH, encode, encoded_size
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.replan import stage_slowdowns
-from adaptipe.envs.encode import HIGH, encode, encoded_size
 from adaptipe.envs.episode import Episode, EpisodeSettings, StepResult
 from adaptipe.envs.heldout import HELD_OUT_SEED, TRAINING_FAMILIES
 from adaptipe.envs.trace import Trace

@@ -25,11 +25,11 @@ from adaptipe.controllers.interference import (
     features,
     load_interference,
     stage_info,
-    train_interference,
 )
-from adaptipe.controllers.interference_cv import grouped_cv
-from adaptipe.controllers.interference_data import Dataset, TraceSpec, build_dataset, csv_rows
 from adaptipe.envs.episode import load_profile
+from adaptipe.envs.interference_cv import grouped_cv
+from adaptipe.envs.interference_data import Dataset, TraceSpec, build_dataset, csv_rows
+from adaptipe.envs.interference_train import train_interference
 from adaptipe.errors import PlanError
 from adaptipe.inject.dataset import COLUMNS
 from adaptipe.monitor.features import FEATURES

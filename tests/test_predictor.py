@@ -17,11 +17,10 @@ from adaptipe.controllers.predictor import (
     PredictorConfig,
     encode,
     load_predictor,
-    train_predictor,
 )
-from adaptipe.controllers.predictor_train import Dataset, rollout
 from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.generators import generate
+from adaptipe.envs.predictor_train import Dataset, rollout, train_predictor
 from adaptipe.errors import PlanError
 
 TINY = {"episodes": 1, "iterations": 60, "epochs": 4, "families": ("poisson-heavy",)}

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import adaptipe.envs  # noqa: F401 (registers the environments)
-from adaptipe.controllers._switch_training import learn
 from adaptipe.controllers.artifacts import load_artifact, save_artifact, shipped
 from adaptipe.controllers.switch_policy import (
     ENV_ID,
@@ -25,11 +24,10 @@ from adaptipe.controllers.switch_policy import (
     from_sb3,
     load_switch,
     save_switch,
-    train_switch,
-    training_metadata,
 )
 from adaptipe.envs.evaluate import run_controller
 from adaptipe.envs.generators import generate
+from adaptipe.envs.switch_training import learn, train_switch, training_metadata
 from adaptipe.errors import PlanError
 
 TINY = TrainSettings(n_steps=64, batch_size=32, n_epochs=2)

@@ -220,7 +220,7 @@ def _learned(settings: EpisodeSettings) -> dict[str, Callable[[], Controller]]:
 def _predictor_report(settings: EpisodeSettings, *, held_out: bool) -> dict[str, Any]:
     """The shipped predictor's MAPE per held-out family against the analytical model."""
     from adaptipe.controllers.predictor import load_predictor
-    from adaptipe.controllers.predictor_train import heldout_report
+    from adaptipe.envs.predictor_train import heldout_report
 
     if not held_out:
         return {"skipped": "the predictor is reported on the held-out traces only"}
@@ -291,16 +291,16 @@ def _run_train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     t0 = time.monotonic()
     if args.model == "predictor":
-        from adaptipe.controllers.predictor import train_predictor
+        from adaptipe.envs.predictor_train import train_predictor
 
         path = train_predictor(seed=args.seed, out=out, progress=print)
     elif args.model == "switch":
-        from adaptipe.controllers.switch_policy import train_switch
+        from adaptipe.envs.switch_training import train_switch
 
         extra = {"timesteps": args.timesteps} if args.timesteps else {}
         path = train_switch(seed=args.seed, out=out, progress=True, **extra)
     else:
-        from adaptipe.controllers.interference import train_interference
+        from adaptipe.envs.interference_train import train_interference
 
         path = train_interference(
             seed=args.seed, out=out, data=[Path(d) for d in args.data], progress=print

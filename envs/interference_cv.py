@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptipe.controllers.interference import InterferenceModel
-from adaptipe.controllers.interference_data import Dataset
+from adaptipe.envs.interference_data import Dataset
 from adaptipe.errors import PlanError
 
 __all__ = ["MODELS", "grouped_cv"]

@@ -1,5 +1,5 @@
 """PPO on ``adaptipe/PipelineSwitch-v0``: the environments, reward scale, seeding and
-progress that `adaptipe.controllers.switch_policy.train_switch` trains with.
+progress it trains with, and `train_switch`: ``adaptipe controllers train switch``.
 
 stable-baselines3 is imported here only, so that loading and running a trained policy
 never imports it.
@@ -8,22 +8,34 @@ never imports it.
 from __future__ import annotations
 
 import importlib.util
+import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import gymnasium as gym
 import numpy as np
+import torch
 
+from adaptipe.controllers.artifacts import shipped
+from adaptipe.controllers.switch_policy import (
+    ENV_ID,
+    MODEL,
+    Progress,
+    TrainSettings,
+    from_sb3,
+    save_switch,
+)
+from adaptipe.envs.heldout import TRAINING_FAMILIES
 from adaptipe.errors import PlanError
 
 if TYPE_CHECKING:
     from stable_baselines3 import PPO
     from stable_baselines3.common.running_mean_std import RunningMeanStd
 
-    from adaptipe.controllers.switch_policy import Progress, TrainSettings
     from adaptipe.envs.episode import EpisodeSettings
 
-__all__ = ["ScaledReward", "learn", "quiet_samples_per_s"]
+__all__ = ["ScaledReward", "learn", "quiet_samples_per_s", "train_switch", "training_metadata"]
 
 
 def quiet_samples_per_s(settings: EpisodeSettings) -> float:
@@ -85,7 +97,6 @@ def learn(
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
     import adaptipe.envs  # noqa: F401 (registers the environments)
-    from adaptipe.controllers.switch_policy import ENV_ID
     from adaptipe.envs.episode import EpisodeSettings
 
     if timesteps < 1 or n_envs < 1:
@@ -124,3 +135,48 @@ def learn(
     env = {k: v for k, v in asdict(episode).items() if k != "cost"}
     env["cost"] = episode.cost.to_json()
     return model, obs_rms, env
+
+
+def train_switch(
+    *,
+    seed: int = 0,
+    out: Path | None = None,
+    timesteps: int = 64_000,
+    progress: bool | Progress = True,
+    n_envs: int = 4,
+    settings: TrainSettings = TrainSettings(),  # noqa: B008 (frozen: a safe default)
+) -> Path:
+    """Train the switch policy with PPO and save it as an artifact in ``out`` (default:
+    the shipped folder). Seeded: the same arguments give the same weights.
+
+    Args:
+        timesteps: environment steps in all (about 7 ms each here).
+        progress: True for a progress bar (SB3's, or printed lines without tqdm and
+            rich), a callable for ``(done, total)`` calls, False for none.
+        n_envs: environments stepped in lockstep (one process).
+    """
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    model, obs_rms, env_settings = learn(
+        seed=seed, timesteps=timesteps, progress=progress, n_envs=n_envs, settings=settings
+    )
+    policy = from_sb3(model, obs_rms, env_settings, hidden=settings.hidden)
+    training = training_metadata(seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings)
+    training["seconds"] = round(time.perf_counter() - start, 1)
+    return save_switch(policy, out if out is not None else shipped(MODEL), training=training)
+
+
+def training_metadata(
+    *, seed: int, timesteps: int, n_envs: int, settings: TrainSettings
+) -> dict[str, Any]:
+    """What `train_switch` records of how the policy was made (all but its seconds)."""
+    return {
+        "algorithm": "PPO (stable-baselines3 MlpPolicy)",
+        "env": ENV_ID,
+        "seed": seed,
+        "timesteps": timesteps,
+        "n_envs": n_envs,
+        "families": list(TRAINING_FAMILIES),
+        "reward": "samples/s net of stalls over the initial plan's quiet samples/s",
+        "ppo": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()},
+    }
