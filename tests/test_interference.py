@@ -34,7 +34,7 @@ def test_cpu_hog_on_stage_1_core_slows_stage_1_and_shows_in_telemetry(
         model={
             "config": {
                 "in_features": 64,
-                "hidden": 256,
+                "hidden": 768,
                 "depth": 8,
                 "out_features": 8,
                 "num_samples": 1024,
@@ -43,6 +43,8 @@ def test_cpu_hog_on_stage_1_core_slows_stage_1_and_shows_in_telemetry(
         data={"batch_size": 128, "microbatches": 4},
         # Stage 1 holds 6 of the 8 layers, so it is busy (the bottleneck) rather than waiting:
         # a stage that mostly waits gets the core back whenever it wakes and hardly feels a hog.
+        # hidden 768 makes a micro-batch's compute several ms: with 256 (about 1 ms) it often
+        # finished inside the scheduler's wake-up preference and the hog showed as 1.05-1.3x.
         pipeline={"partition": [0, 2, 8]},
         train={"iterations": 160},
     )
