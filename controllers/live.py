@@ -29,6 +29,7 @@ from adaptipe.controllers.base import Controller, Keep
 from adaptipe.controllers.observation import Observation, observe
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
+from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record
 from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import LayerProfile, Profile
@@ -41,8 +42,12 @@ from adaptipe.serial import load_json_file
 __all__ = ["LiveDecider", "decider", "from_settings"]
 
 
-def from_settings(adapt: AdaptSection) -> Controller:
-    """The controller ``[adapt].controller`` names, with ``[adapt]``'s settings."""
+def from_settings(adapt: AdaptSection, *, stages: int | None = None) -> Controller:
+    """The controller ``[adapt].controller`` names: `Threshold` with ``[adapt]``'s
+    settings, a baseline (`adaptipe.controllers.baselines`, default settings) or the
+    shipped PPO switch policy, which must have been trained for ``stages`` stages.
+
+    Raises `PlanError` for a controller that cannot run this pipeline."""
     if adapt.controller == "threshold":
         settings = ThresholdSettings(
             margin=adapt.margin,
@@ -52,6 +57,17 @@ def from_settings(adapt: AdaptSection) -> Controller:
             horizon=adapt.horizon,
         )
         return Threshold(settings)
+    if adapt.controller == "ppo":
+        from adaptipe.controllers.switch_policy import LearnedSwitch, load_switch
+
+        try:
+            return LearnedSwitch(load_switch(stages=stages))
+        except PlanError as exc:
+            raise PlanError(f"[adapt].controller = 'ppo': {exc}") from None
+    if adapt.controller in ("always_best", "straggler", "stale"):
+        from adaptipe.controllers.baselines import BASELINES
+
+        return BASELINES[adapt.controller]()
     return Keep()
 
 
@@ -105,7 +121,7 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         load_json_file(run.profile_json, Profile.from_json) if run.profile_json.exists() else None
     )
     return LiveDecider(
-        from_settings(cfg.adapt),
+        from_settings(cfg.adapt, stages=cfg.pipeline.stages),
         profile,
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,

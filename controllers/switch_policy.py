@@ -190,7 +190,8 @@ def load_switch(path: str | Path | None = None, *, stages: int | None = None) ->
     if stages is not None and stages != config.stages:
         raise PlanError(
             f"{root}: the switch policy was trained for {config.stages} stages, the pipeline "
-            f"has {stages}; train one for it with `adaptipe controllers train switch`"
+            f"has {stages}; `adaptipe controllers train switch` trains for the environments' "
+            f"{config.stages}-stage default only so far: use another controller here"
         )
     policy = SwitchPolicy(config)
     tensors = load_tensors(art.files[WEIGHTS])

@@ -119,7 +119,11 @@ def test_controller_fields_are_read_checked_and_round_trip(
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"controller": "ppo"}, r"test.toml: \[adapt\].controller must be one of none, threshold"),
+        (
+            {"controller": "lstm"},
+            r"test.toml: \[adapt\].controller must be one of none, threshold, always_best, "
+            r"straggler, stale, ppo",
+        ),
         ({"check_every": 0}, r"test.toml: \[adapt\].check_every must be >= 1 \(got 0\)"),
         ({"window": "8"}, r"test.toml: \[adapt\].window must be an integer"),
         ({"margin": -0.1}, r"test.toml: \[adapt\].margin must be >= 0 and < 10 \(got -0.1\)"),
@@ -384,3 +388,42 @@ def test_without_a_profile_the_baseline_skips_the_warm_up_with_bytes_from_shapes
     assert decider.profile is not None  # the second window, not the slow first one
     assert [layer.forward_s for layer in decider.profile.layers] == [LAYER_S] * 6
     assert decider.profile.layers[0].activation_bytes == first.activation_bytes
+
+
+@pytest.mark.parametrize("name", ["always_best", "straggler", "stale", "ppo"])
+def test_every_named_controller_is_built_from_adapt(name: str) -> None:
+    controller = from_settings(AdaptSection(controller=name), stages=4)
+    assert controller.name == name
+
+
+def test_the_ppo_policy_for_another_stage_count_is_refused_before_workers_start(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    cfg = make_config(adapt={"controller": "ppo"})  # 2 stages; the policy knows 4
+    with pytest.raises(
+        PlanError, match=r"controller = 'ppo': .*trained for 4 stages, the pipeline has 2"
+    ):
+        train(cfg, decider=live_decider)
+    assert not (Path(cfg.train.run_dir) / "stages").exists()
+
+
+def test_a_baseline_controller_moves_layers_off_a_slowed_stage_in_a_real_run(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    scenario = tmp_path / "slow.toml"
+    scenario.write_text(
+        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
+    )
+    cfg = make_config(
+        model={"config": {"hidden": 192, "num_samples": 4096}},
+        data={"batch_size": 64},
+        train={"iterations": 50},
+        adapt={"controller": "always_best", "check_every": 2, "window": 4},
+    )
+    train(cfg, inject=scenario, decider=live_decider)
+    events = _control(Path(cfg.train.run_dir))
+    moves = [e for e in events if e["event"] == "decision" and e["acted"]]
+    late = [m for m in moves if m["iteration"] >= 10]
+    assert late and all(e["controller"] == "always_best" for e in moves)
+    assert late[0]["decision"]["bounds"][1] > late[0]["bounds"][1]  # layers off stage 1
+    assert any(e["event"] == "migration" and e["ok"] for e in events)

@@ -17,8 +17,9 @@
     prioritise = true        # streamed state yields to activations and gradients
     chunk_bytes = 262144     # streamed state travels in chunks of this size
 
-    controller = "threshold" # none (default) | threshold: the manager re-partitions when
-                             # the threshold rule says so (`adaptipe.runtime.adapt_loop`)
+    controller = "threshold" # none (default) | threshold | always_best | straggler | stale
+                             # | ppo (the shipped learned switch policy): the manager
+                             # re-partitions when it says so (`adaptipe.runtime.adapt_loop`)
     check_every = 4          # iterations between the controller's checks
     window = 8               # iterations each check observes
     margin = 0.20            # threshold: in force over best predicted, beyond 1
@@ -53,7 +54,7 @@ __all__ = ["CONTROLLERS", "METHODS", "TRANSFERS", "AdaptSection", "Repartition",
 
 METHODS = ("live", "checkpoint", "restart")
 TRANSFERS = ("auto", "stop_and_copy", "streamed")
-CONTROLLERS = ("none", "threshold")
+CONTROLLERS = ("none", "threshold", "always_best", "straggler", "stale", "ppo")
 # [adapt] integer fields of the controller loop: name -> (default, minimum)
 _INTS = {
     "check_every": (4, 1),

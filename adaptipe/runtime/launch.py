@@ -310,6 +310,9 @@ def _run(
             "decider: pass decider=adaptipe.controllers.live.decider (`adaptipe train` and "
             "`adaptipe manage` do)"
         )
+    # Built before any worker starts: a controller that cannot run here (a learned policy
+    # for another stage count) is refused with nothing to clean up.
+    chosen = decider(run, cfg) if decider is not None and cfg.adapt.controller != "none" else None
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
@@ -345,8 +348,8 @@ def _run(
         on_iteration=on_iteration,
         marked=marked,
     )
-    if decider is not None and cfg.adapt.controller != "none" and collector is not None:
-        launch.adapt = AdaptLoop(run, cfg.adapt, decider(run, cfg), collector.records, start=start)
+    if chosen is not None and collector is not None:
+        launch.adapt = AdaptLoop(run, cfg.adapt, chosen, collector.records, start=start)
     try:
         if scenario is not None:
             assert collector is not None
