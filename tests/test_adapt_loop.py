@@ -7,6 +7,7 @@ a real two-stage run with a slowdown injected on stage 1 moves layers away from 
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -427,3 +428,27 @@ def test_a_baseline_controller_moves_layers_off_a_slowed_stage_in_a_real_run(
     assert late and all(e["controller"] == "always_best" for e in moves)
     assert late[0]["decision"]["bounds"][1] > late[0]["bounds"][1]  # layers off stage 1
     assert any(e["event"] == "migration" and e["ok"] for e in events)
+
+
+class _FlipFlop:
+    """Always moves: to [0, 2, 6] from anything else, else to [0, 4, 6]."""
+
+    name = "flipflop"
+
+    def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
+        bounds = (0, 4, 6) if tuple(partition.bounds) == (0, 2, 6) else (0, 2, 6)
+        return Verdict(bounds=bounds, decision={"bounds": list(bounds), "reason": "flip"})
+
+
+def test_the_cooldown_spaces_every_controllers_moves(run: RunDir) -> None:
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(check_every=1, window=1, cooldown=8), decider=_FlipFlop())
+    moved: list[int] = []
+    for it in range(40):
+        for event in tele.run(loop, it):
+            if event["event"] == "decision" and event["acted"]:
+                moved.append(event["iteration"])
+                record_adoption(run, event["version"], it + 1)  # the workers take it on
+                tele.bounds = tuple(event["decision"]["bounds"])
+    assert len(moved) >= 3, moved
+    assert all(b - a >= 8 for a, b in itertools.pairwise(moved)), moved

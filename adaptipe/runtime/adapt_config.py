@@ -24,7 +24,7 @@
     window = 8               # iterations each check observes
     margin = 0.20            # threshold: in force over best predicted, beyond 1
     patience = 3             # threshold: consecutive checks over the margin (K)
-    cooldown = 20            # threshold: iterations after a move before the next
+    cooldown = 20            # iterations after a move before the next (every controller)
     max_per_hour = 6         # threshold: at most this many moves an hour
     horizon = 100            # threshold: iterations a move's predicted gain counts over
     dry_run = false          # log the decisions, never act on them

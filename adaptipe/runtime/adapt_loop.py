@@ -3,9 +3,11 @@ training path, whose moves become plan versions.
 
 `_follow` (`adaptipe.runtime.launch`) polls an `AdaptLoop` once per pass with the
 iterations merged since the last. Every ``[adapt].check_every`` iterations, once a full
-``[adapt].window`` of iterations has run under the partition in force and no plan change
+``[adapt].window`` of iterations has run under the partition in force, no plan change
 is in flight (a version committed and not yet adopted, or adopted and not yet run by
-every stage), it hands the telemetry records since the last plan change to a `Decider`
+every stage) and ``[adapt].cooldown`` iterations have passed since the last move it
+committed (for every controller: one without hysteresis of its own would otherwise
+move back and forth between two partitions that measure alike), it hands the telemetry records since the last plan change to a `Decider`
 on a thread of its own. The poll never waits for it: a call that raises is logged as a
 decision with an ``error``; one that runs past ``[adapt].decide_timeout_s`` is logged as
 timed out, its answer (when it comes) is dropped, and no new call starts until it has
@@ -166,6 +168,7 @@ class AdaptLoop:
         self._call: _Call | None = None
         self._asked: tuple[int, tuple[int, ...]] = (start, ())  # iteration, bounds in force
         self._pending: list[_Pending] = []
+        self._last_move: int | None = None  # the iteration of the last committed move
         self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
 
     def poll(self, merged: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -196,6 +199,8 @@ class AdaptLoop:
         since, partition = in_force
         if self._latest < since + self.settings.window - 1:
             return  # a full window under the partition in force first
+        if self._last_move is not None and self._latest < self._last_move + self.settings.cooldown:
+            return
         records = [
             r for r in self._records() if not isinstance(r, StageStats) or r.iteration >= since
         ]
@@ -261,6 +266,7 @@ class AdaptLoop:
         if "version" in call.acted:
             gain = verdict.decision.get("predicted_gain_s")
             version = int(call.acted["version"])
+            self._last_move = self._asked[0]
             self._pending.append(
                 _Pending(self._asked[0], version, float(gain) if gain is not None else None)
             )
