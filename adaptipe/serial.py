@@ -137,15 +137,21 @@ def check_kind(data: Mapping[str, Any], *, kind: str, version: int, source: str)
         )
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Read a JSON file; a parse error names the file, line and column."""
+def read_text(path: str | os.PathLike[str]) -> str:
+    """A file's text; a missing or unreadable file is a `PlanError` that names it."""
     p = Path(path)
     try:
-        text = p.read_text()
+        return p.read_text()
     except FileNotFoundError:
         raise PlanError(f"{p}: no such file") from None
     except OSError as exc:
         raise PlanError(f"{p}: cannot read ({exc.strerror})") from None
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """Read a JSON file; a parse error names the file, line and column."""
+    p = Path(path)
+    text = read_text(p)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -39,6 +39,7 @@ from adaptipe.errors import PlanError
 from adaptipe.plan.condense import condense
 from adaptipe.profile.types import LayerProfile, Profile
 from adaptipe.sim.conditions import LayerCosts, iteration_times
+from adaptipe.sim.migration import layer_owners
 
 __all__ = [
     "BLOCKS",
@@ -132,7 +133,7 @@ def dynpipe_candidates(
     links = link_bandwidths(obs)
     # condense ranks by compute + activation_bytes / bandwidth: give it the bytes a cut
     # carries both ways, and the stage's slowdown folded into the layer's seconds
-    owner = _owners(obs.bounds)
+    owner = layer_owners(obs.bounds)
     profile = Profile(
         model="observed",
         microbatch=1,
@@ -248,11 +249,6 @@ def _slowdowns(obs: Observation, slowdowns: Sequence[float] | None, who: str) ->
             f"in force (got {list(slow)})"
         )
     return slow
-
-
-def _owners(bounds: Sequence[int]) -> list[int]:
-    """Per layer: the stage of ``bounds`` holding it."""
-    return [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
 
 
 def _check_bounds(bounds: Sequence[int], who: str) -> None:

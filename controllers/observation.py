@@ -22,8 +22,8 @@ and one built from a simulated trace are interchangeable. It holds:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adaptipe.errors import PlanError
@@ -57,6 +57,30 @@ class Observation:
     link_bandwidth_Bps: Mapping[str, float] = field(default_factory=dict)  # "src-dst"
     device: Rows = ()  # [worker]: the latest device sample's features
     microbatches: int = 1  # per iteration: a planner's cycle times this is an iteration
+
+    @classmethod
+    def from_profile(
+        cls,
+        profile: Profile,
+        bounds: Sequence[int],
+        *,
+        microbatches: int = 1,
+        link_bandwidth_Bps: Mapping[str, float] | None = None,
+    ) -> Observation:
+        """What the profile alone says of partition ``bounds``, nothing measured yet (the
+        planner's view before a run; `observe` adds the measurements)."""
+        return cls(
+            iteration=0,
+            bounds=tuple(int(b) for b in bounds),
+            layer_forward_s=tuple(layer.forward_s for layer in profile.layers),
+            layer_backward_s=tuple(layer.backward_s for layer in profile.layers),
+            boundary_bytes=_boundary_bytes(profile),
+            state_bytes=tuple(
+                int(layer.param_bytes + layer.optimizer_bytes) for layer in profile.layers
+            ),
+            link_bandwidth_Bps=dict(link_bandwidth_Bps or {}),
+            microbatches=microbatches,
+        )
 
     @property
     def num_layers(self) -> int:
@@ -178,15 +202,9 @@ def observe(
         else samples[-1][1]
         for pair, samples in links.items()
     }
-    return Observation(
+    return replace(
+        Observation.from_profile(profile, partition.bounds, microbatches=microbatches),
         iteration=chosen[-1],
-        bounds=tuple(partition.bounds),
-        layer_forward_s=tuple(layer.forward_s for layer in profile.layers),
-        layer_backward_s=tuple(layer.backward_s for layer in profile.layers),
-        boundary_bytes=_boundary_bytes(profile),
-        state_bytes=tuple(
-            int(layer.param_bytes + layer.optimizer_bytes) for layer in profile.layers
-        ),
         iterations=tuple(chosen),
         measured_forward_s=fwd,
         measured_backward_s=bwd,
@@ -194,7 +212,6 @@ def observe(
         stage_iteration_s=iteration_s,
         link_bandwidth_Bps=bandwidth,
         device=_device_rows(device, stages),
-        microbatches=microbatches,
     )
 
 

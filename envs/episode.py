@@ -39,7 +39,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.profile.types import Profile
 from adaptipe.serial import load_json_file
 from adaptipe.sim.conditions import LayerCosts, iteration_times
-from adaptipe.sim.migration import MigrationCost, moved_layers
+from adaptipe.sim.migration import MigrationCost, layer_owners, moved_layers
 
 __all__ = ["MODELS", "Episode", "EpisodeSettings", "StepResult", "load_profile"]
 
@@ -265,16 +265,10 @@ _FREE_BPS = 1e9  # an unlimited link still moves state at about loopback's rate 
 def initial_bounds(settings: EpisodeSettings) -> tuple[int, ...]:
     """The plan a run starts with: DynPipe's planner on the quiet profile."""
     profile = settings.profile
-    blank = Observation(
-        iteration=0,
-        bounds=_even(len(profile.layers), settings.stages),
-        layer_forward_s=tuple(x.forward_s for x in profile.layers),
-        layer_backward_s=tuple(x.backward_s for x in profile.layers),
-        boundary_bytes=(0,) * len(profile.layers),
-        state_bytes=(0,) * len(profile.layers),
-        microbatches=settings.microbatches,
+    quiet = Observation.from_profile(
+        profile, _even(len(profile.layers), settings.stages), microbatches=settings.microbatches
     )
-    bounds, _ = best_partition(blank, (1.0,) * settings.stages)
+    bounds, _ = best_partition(quiet, (1.0,) * settings.stages)
     return bounds
 
 
@@ -296,12 +290,9 @@ def _partition(profile: Profile, bounds: Sequence[int]) -> Partition:
 
 def _crossed_links(old: Sequence[int], new: Sequence[int], moving: Sequence[int]) -> list[int]:
     """The stage boundaries the moving layers cross (``s`` for link ``s <-> s + 1``)."""
-
-    def owner(bounds: Sequence[int], layer: int) -> int:
-        return next(s for s in range(len(bounds) - 1) if bounds[s] <= layer < bounds[s + 1])
-
+    was, now = layer_owners(old), layer_owners(new)
     crossed: set[int] = set()
     for layer in moving:
-        a, b = sorted((owner(old, layer), owner(new, layer)))
+        a, b = sorted((was[layer], now[layer]))
         crossed.update(range(a, b))
     return sorted(crossed)

@@ -30,6 +30,7 @@ import numpy.typing as npt
 from adaptipe.envs.episode import _FREE_BPS, EpisodeSettings, initial_bounds
 from adaptipe.envs.trace import Trace
 from adaptipe.sim.conditions import iteration_times
+from adaptipe.sim.migration import layer_owners
 
 __all__ = ["OraclePlan", "all_partitions", "oracle"]
 
@@ -83,7 +84,7 @@ def oracle(
     for j, bounds in enumerate(parts):
         times = iteration_times(costs, bounds, slow, bws) + stall
         step_s[:, j] = np.add.reduceat(times, np.arange(0, n, k))
-    owners = np.array([_owners(b, layers) for b in parts])  # (P, L)
+    owners = np.array([layer_owners(b) for b in parts])  # (P, L)
     state = np.array(
         [x.param_bytes + x.optimizer_bytes for x in settings.profile.layers], dtype=np.float64
     )
@@ -116,14 +117,6 @@ def oracle(
         seconds=float(total[best]),
         samples=n * costs.samples_per_iteration,
     )
-
-
-def _owners(bounds: Sequence[int], layers: int) -> list[int]:
-    out = [0] * layers
-    for s in range(len(bounds) - 1):
-        for i in range(bounds[s], bounds[s + 1]):
-            out[i] = s
-    return out
 
 
 def _switch_matrix(
@@ -159,21 +152,13 @@ def _shortlist(trace: Trace, settings: EpisodeSettings, start: Bounds) -> list[B
     slow, bws = trace.slowdowns(), trace.bandwidths()
     found: set[Bounds] = {start}
     for t in range(0, trace.iterations, k):
-        obs = Observation(
-            iteration=t,
-            bounds=start,
-            layer_forward_s=tuple(x.forward_s for x in profile.layers),
-            layer_backward_s=tuple(x.backward_s for x in profile.layers),
-            boundary_bytes=tuple(
-                x.activation_bytes
-                + (profile.layers[i + 1].gradient_bytes if i + 1 < len(profile.layers) else 0)
-                for i, x in enumerate(profile.layers)
-            ),
-            state_bytes=(0,) * len(profile.layers),
+        obs = Observation.from_profile(
+            profile,
+            start,
+            microbatches=settings.microbatches,
             link_bandwidth_Bps={
                 f"{s}-{s + 1}": float(bws[t, s]) for s in range(settings.stages - 1)
             },
-            microbatches=settings.microbatches,
         )
         best, _ = best_partition(obs, tuple(slow[t : t + k].mean(axis=0)))
         found.add(best)

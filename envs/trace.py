@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from adaptipe.errors import PlanError
+from adaptipe.serial import atomic_write_text, read_text
 
 __all__ = [
     "EVENT_KINDS",
@@ -132,12 +133,8 @@ class Trace:
             )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(p.name + ".tmp")
-        tmp.write_text("\n".join(self.lines()) + "\n")
-        tmp.replace(p)
-        return p
+        atomic_write_text(path, "\n".join(self.lines()) + "\n")
+        return Path(path)
 
     def digest(self) -> str:
         """sha256 of the file's text: what a manifest pins."""
@@ -150,12 +147,7 @@ class Trace:
 def load_trace(path: str | os.PathLike[str], *, stages: int | None = None) -> Trace:
     """Read and check a trace file; ``stages``: the stage count it must have."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise PlanError(f"{p}: no such file") from None
-    except OSError as exc:
-        raise PlanError(f"{p}: cannot read ({exc.strerror})") from None
+    text = read_text(p)
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise PlanError(f"{p}: empty; a trace starts with a header line (kind {TRACE_KIND!r})")

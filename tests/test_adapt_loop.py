@@ -299,9 +299,15 @@ def _control(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "control.jsonl").read_text().splitlines()]
 
 
-def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
-    make_config: Callable[..., RunConfig], tmp_path: Path
-) -> None:
+def _slowed_run(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    *,
+    iterations: int,
+    adapt: dict[str, Any],
+) -> tuple[RunConfig, list[dict[str, Any]]]:
+    """A real two-stage run with stage 1 slowed 4x from iteration 10, under ``adapt``:
+    its config and its control events."""
     scenario = tmp_path / "slow.toml"
     scenario.write_text(
         '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
@@ -309,7 +315,20 @@ def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
     cfg = make_config(
         model={"config": {"hidden": 192, "num_samples": 4096}},
         data={"batch_size": 64},
-        train={"iterations": 60},
+        train={"iterations": iterations},
+        adapt=adapt,
+    )
+    train(cfg, inject=scenario, decider=live_decider)
+    return cfg, _control(Path(cfg.train.run_dir))
+
+
+def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    cfg, events = _slowed_run(
+        make_config,
+        tmp_path,
+        iterations=60,
         adapt={
             "controller": "threshold",
             "check_every": 2,
@@ -318,8 +337,6 @@ def test_a_slowed_stage_1_loses_layers_live_in_a_real_run(
             "cooldown": 1000,
         },
     )
-    train(cfg, inject=scenario, decider=live_decider)
-    events = _control(Path(cfg.train.run_dir))
     moves = [e for e in events if e["event"] == "decision" and e["acted"]]
     assert len(moves) == 1, [e for e in events if e["event"] == "decision"]
     bounds = moves[0]["decision"]["bounds"]
@@ -411,18 +428,12 @@ def test_the_ppo_policy_for_another_stage_count_is_refused_before_workers_start(
 def test_a_baseline_controller_moves_layers_off_a_slowed_stage_in_a_real_run(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
-    scenario = tmp_path / "slow.toml"
-    scenario.write_text(
-        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
-    )
-    cfg = make_config(
-        model={"config": {"hidden": 192, "num_samples": 4096}},
-        data={"batch_size": 64},
-        train={"iterations": 50},
+    _, events = _slowed_run(
+        make_config,
+        tmp_path,
+        iterations=50,
         adapt={"controller": "always_best", "check_every": 2, "window": 4},
     )
-    train(cfg, inject=scenario, decider=live_decider)
-    events = _control(Path(cfg.train.run_dir))
     moves = [e for e in events if e["event"] == "decision" and e["acted"]]
     late = [m for m in moves if m["iteration"] >= 10]
     assert late and all(e["controller"] == "always_best" for e in moves)

@@ -74,7 +74,7 @@ from adaptipe.runtime.config_sections import (
 )
 from adaptipe.runtime.host import fit_to_host, resolve_backend, this_host
 from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
-from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json
+from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json, read_text
 from adaptipe.units import parse_bandwidth
 
 __all__ = [
@@ -177,12 +177,7 @@ def parse_config(path: str | os.PathLike[str]) -> RunConfig:
     a relative partition path is taken from its folder. What depends on the host is left
     for `fit_to_host`: ``threads_per_stage`` unset (None), ``backend`` maybe ``"auto"``."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError:
-        raise PlanError(f"{p}: no such file") from None
-    except OSError as exc:
-        raise PlanError(f"{p}: cannot read ({exc.strerror})") from None
+    text = read_text(p)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -29,7 +29,7 @@ from typing import Any
 
 from adaptipe.errors import PlanError
 
-__all__ = ["UNMEASURED_BPS", "MigrationCost", "choose_transfer", "moved_layers"]
+__all__ = ["UNMEASURED_BPS", "MigrationCost", "choose_transfer", "layer_owners", "moved_layers"]
 
 UNMEASURED_BPS = 1e9
 """A link no telemetry measured is priced at 1 GB/s (about loopback gloo's here)."""
@@ -153,8 +153,10 @@ def moved_layers(old: Sequence[int], new: Sequence[int]) -> list[int]:
     """The layers whose stage differs between layer bounds ``old`` and ``new``."""
     if len(old) != len(new) or old[0] != new[0] or old[-1] != new[-1]:
         raise PlanError(f"bounds {list(old)} and {list(new)} are not of one pipeline")
+    was, now = layer_owners(old), layer_owners(new)
+    return [old[0] + i for i, (a, b) in enumerate(zip(was, now, strict=True)) if a != b]
 
-    def owner(bounds: Sequence[int], layer: int) -> int:
-        return next(s for s in range(len(bounds) - 1) if bounds[s] <= layer < bounds[s + 1])
 
-    return [i for i in range(old[0], old[-1]) if owner(old, i) != owner(new, i)]
+def layer_owners(bounds: Sequence[int]) -> list[int]:
+    """Per layer from ``bounds[0]`` on: the stage of ``bounds`` holding it."""
+    return [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
