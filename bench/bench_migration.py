@@ -33,7 +33,7 @@ DynPipe reports 9.8-35.1 iterations from decision to new partition with asynchro
 checkpoints and 5 s against 70 s for a restart (seed 004).
 
     python bench/bench_migration.py [--models gpt,gpt-50mb] [--migrations 10]
-        [--every 8] [--variants streamed,unprioritised,stop_and_copy,restart,control]
+        [--every 8] [--device cpu|cuda] [--variants streamed,unprioritised,stop_and_copy,restart,control]
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ BOUNDS = ([0, 2, 6], [0, 4, 6])
 WARMUP = 6
 
 
-def _config(run_dir: Path, model: str, variant: str, moves: int, every: int) -> RunConfig:
+def _config(
+    run_dir: Path, model: str, variant: str, moves: int, every: int, device: str = "cpu"
+) -> RunConfig:
     scripted = [
         {"iteration": WARMUP + every * (k + 1), "bounds": BOUNDS[(k + 1) % 2]} for k in range(moves)
     ]
@@ -88,6 +90,7 @@ def _config(run_dir: Path, model: str, variant: str, moves: int, every: int) -> 
             "train": {
                 "iterations": WARMUP + every * (moves + 1),
                 "seed": 0,
+                "device": device,
                 "threads_per_stage": 1,
                 "checkpoint_every": 0,
                 "telemetry": True,
@@ -297,7 +300,7 @@ def measure(
             continue
         moves = args.restart_migrations if variant == "restart" else args.migrations
         run_dir = root / f"{model}-{variant}{'-bed' if bed is not None else ''}"
-        _train(_config(run_dir, model, variant, moves, args.every), bed)
+        _train(_config(run_dir, model, variant, moves, args.every, args.device), bed)
         scripted = [WARMUP + args.every * (k + 1) for k in range(moves)]
         if variant == "control":
             if streamed_moves is None:
@@ -341,6 +344,9 @@ def main() -> None:
     parser.add_argument("--migrations", type=int, default=10)
     parser.add_argument("--restart-migrations", type=int, default=3)
     parser.add_argument("--every", type=int, default=8)
+    parser.add_argument(
+        "--device", default="cpu", help="[train].device: cpu, or cuda (both stages share GPU 0)"
+    )
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     parser.add_argument(
         "--bed", default="", help="also run between two namespace hosts at this rate (500mbit)"
@@ -368,6 +374,8 @@ def main() -> None:
             "moves": f"bounds {BOUNDS[0]} <-> {BOUNDS[1]} every {args.every} iterations "
             f"after {WARMUP}, {args.migrations} times ({args.restart_migrations} for restart)",
             "variants": {v: VARIANTS[v] for v in variants},
+            "device": args.device,
+            "cpus": os.cpu_count(),
             "load": os.getloadavg(),
         },
         "targets": {
