@@ -1,4 +1,5 @@
-"""``make demo``: profile the GPT on this machine, plan, simulate every schedule.
+"""``python -m adaptipe.demo --simulate``: profile the GPT on this machine, plan, simulate
+every schedule, then train it once for real. (``make demo`` runs `adaptipe.adaptive_demo`.)
 
 Writes the profile, partitions, Gantt charts and a comparison table into ``--out``.
 Everything here is reachable from the CLI too; the demo just chains the steps.

@@ -352,3 +352,14 @@ def test_the_live_view_shows_each_iteration_once_across_a_resume() -> None:
     state.add_metrics({"iteration": 4, "loss": 3.0})
     assert [m["iteration"] for m in state.metrics] == [0, 1, 2, 3, 4]
     assert state.metrics[-1]["loss"] == 3.0
+
+
+def test_a_legend_of_long_job_names_gets_fewer_columns_so_it_fits() -> None:
+    from adaptipe.monitor.charts import _legend_columns
+
+    short = ["per iteration", "decision", "lr=0.1 (#0)"]
+    assert _legend_columns(short, 10.0) == 3
+    long = [f"lr=0.00{k},batch_size=16,momentum=0.9 (#{k})" for k in range(8)]
+    cols = _legend_columns(long, 10.0)
+    assert 1 <= cols <= 3  # 6 columns of these ran off both edges of a 10-inch figure
+    assert cols * (max(map(len, long)) + 7) * 0.62 * 10 <= 10.0 * 72

@@ -23,6 +23,7 @@ __all__ = ["build_parser", "main"]
 def build_parser() -> argparse.ArgumentParser:
     """The ``adaptipe`` parser; each sub-command's ``func`` is its module's ``run``."""
     from adaptipe.cli import (
+        adapt,
         collect,
         controllers,
         hosts,
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         report,
         stop,
         repartition,
+        adapt,
         manage,
         trace,
         controllers,

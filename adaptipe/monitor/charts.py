@@ -106,9 +106,21 @@ def _save(fig: Figure, path: Path) -> None:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             entries.setdefault(label, handle)
     if entries:
-        ncols = min(len(entries), 6)
-        fig.legend(entries.values(), entries.keys(), loc="outside upper center", ncols=ncols)
+        fig.legend(
+            entries.values(),
+            entries.keys(),
+            loc="outside upper center",
+            ncols=_legend_columns(list(entries), fig.get_figwidth()),
+        )
     fig.savefig(path, dpi=_DPI)
+
+
+def _legend_columns(labels: Sequence[str], width_in: float, *, most: int = 6) -> int:
+    """As many legend columns as fit the figure's width: a legend wider than its figure
+    runs off both edges (the job names of a big sweep are long)."""
+    chars = width_in * 72 / (0.62 * 10)  # characters of 10 pt text across the figure
+    per_entry = max(len(label) for label in labels) + 7  # the handle, the padding
+    return max(1, min(most, len(labels), int(chars // per_entry)))
 
 
 def _rolling(values: np.ndarray, n: int) -> np.ndarray:
@@ -128,15 +140,30 @@ def as_float(value: Any) -> float:
     return float(value) if ok and math.isfinite(value) else math.nan
 
 
-def _plot_throughput(
-    metrics: list[dict[str, Any]], marks: list[Mark], path: Path, names: dict[str, str]
-) -> None:
+def _throughput_line(metrics: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
     its = np.array([m["iteration"] for m in metrics], dtype=float)
-    sps = np.array([as_float(m.get("samples_per_s")) for m in metrics])
+    return its, np.array([as_float(m.get("samples_per_s")) for m in metrics])
+
+
+def _plot_throughput(
+    metrics: list[dict[str, Any]],
+    marks: list[Mark],
+    path: Path,
+    names: dict[str, str],
+    compare: dict[str, list[dict[str, Any]]] | None = None,
+) -> None:
+    its, sps = _throughput_line(metrics)
     fig = _new_figure(10, 6.5)
     top, bottom = fig.subplots(2, 1, sharex=True)
-    top.plot(its, sps, color="#4C72B0", lw=0.8, alpha=0.45, label="per iteration")
-    top.plot(its, _rolling(sps, 10), color="#4C72B0", lw=2.0, label="mean of last 10")
+    # Drawn as steps: each iteration holds its value over its own width, so a job-array's
+    # windows (whose iterations share one time) show no ramps between them.
+    step = {"drawstyle": "steps-mid"}
+    top.plot(its, sps, color="#4C72B0", lw=0.8, alpha=0.45, label="per iteration", **step)
+    top.plot(its, _rolling(sps, 10), color="#4C72B0", lw=2.0, label="mean of last 10", **step)
+    greys = ("#7f7f7f", "#bcbd22", "#17becf")
+    for k, (label, other) in enumerate((compare or {}).items()):
+        x, y = _throughput_line(other)
+        top.plot(x, _rolling(y, 10), color=greys[k % 3], lw=1.6, ls="-.", label=label, **step)
     top.set(title="Throughput", ylabel="samples/s")
     top.set_ylim(bottom=0)
     jobs = sorted({j for m in metrics for j in (m.get("losses") or {})}, key=_job_order)
@@ -348,18 +375,20 @@ def draw_charts(
     t0: float,
     marks: list[Mark],
     job_names: dict[str, str] | None = None,
+    compare: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[str]:
     """Draw every chart the logs have data for into ``out_dir`` as ``NAME.png``.
 
     ``job_names``: a job-array's job names by index (as the metrics key them), for the
-    loss curves' legend.
+    loss curves' legend. ``compare``: other runs' metrics by label, whose smoothed
+    throughput is drawn beside this run's.
 
     Returns:
         The names drawn, in page order: throughput and stage_times always, then device,
         layers and links where there is data for them.
     """
     drawn = ["throughput", "stage_times"]
-    _plot_throughput(metrics, marks, out_dir / "throughput.png", job_names or {})
+    _plot_throughput(metrics, marks, out_dir / "throughput.png", job_names or {}, compare or {})
     _plot_stage_times(metrics, marks, out_dir / "stage_times.png")
     if _plot_device(samples, t0, marks, out_dir / "device.png"):
         drawn.append("device")

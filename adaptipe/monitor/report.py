@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -227,6 +227,16 @@ def _decision_row(e: dict[str, Any], realised: dict[Any, Any]) -> tuple[Any, ...
     )
 
 
+def _compared_html(compare: Mapping[str, str | Path]) -> str:
+    if not compare:
+        return ""
+    runs = "; ".join(
+        f"{html.escape(label)}: {html.escape(str(Path(d).resolve()))}"
+        for label, d in compare.items()
+    )
+    return f"<p>The throughput chart also draws {runs}.</p>"
+
+
 def _job_names(root: Path) -> dict[str, str]:
     """A job-array's job names by index, from the run's config.json ({} otherwise)."""
     try:
@@ -236,8 +246,16 @@ def _job_names(root: Path) -> dict[str, str]:
         return {}
 
 
-def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def make_report(
+    run_dir: str | Path,
+    out: str | Path | None = None,
+    *,
+    compare: Mapping[str, str | Path] | None = None,
+) -> Path:
     """Draw the charts and write ``report.html`` into ``out`` (default ``RUN_DIR/report``).
+
+    ``compare``: other run directories by label (the same job under another plan, say),
+    whose throughput the throughput chart draws beside this run's.
 
     Returns:
         The HTML page's path.
@@ -262,6 +280,10 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     t0 = min((r.time_s for r in log.records), default=0.0)
     t_end = max((r.time_s for r in log.records), default=t0) - t0
     marks = run_marks(log, stats, t0, t_end)
+    others = {
+        label: sorted(load_run(other, need=(METRICS,)).metrics, key=lambda m: m["iteration"])
+        for label, other in (compare or {}).items()
+    }
     drawn = draw_charts(
         out_dir,
         metrics=metrics,
@@ -271,6 +293,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         t0=t0,
         marks=marks,
         job_names=_job_names(log.root),
+        compare=others,
     )
     for chart in set(_CHARTS) - set(drawn):  # a previous report's chart would mislead
         (out_dir / f"{chart}.png").unlink(missing_ok=True)
@@ -294,6 +317,7 @@ def make_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 <h1>Run {name}</h1>
 <p>{html.escape(str(log.root.resolve()))} · report written {datetime.now():%Y-%m-%d %H:%M}</p>
 {"".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)}
+{_compared_html(compare or {})}
 <h2>Summary</h2>
 {_summary_html(log)}
 {"<h2>Links (bandwidth per iteration)</h2>" + _links_html(links) if links else ""}

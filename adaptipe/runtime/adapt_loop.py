@@ -29,6 +29,14 @@ before the switch with that of the first ``window`` iterations from it on (the s
 own stall included); a move the workers could not make (a failed migration rolls back)
 has ``switched_at`` null.
 
+``adaptipe adapt RUN_DIR --pause | --resume | --controller NAME`` changes the loop live
+(`adaptipe.runtime.adapt_requests`): a paused loop starts no calls, and another
+controller is built by ``rebuild`` and used from the next check on (a call in flight
+finishes first). Each change is an event::
+
+    {"event": "adapt_control", "iteration", "seq", "paused", "controller", "previous",
+     ["error" (the controller could not be built: the previous one stays)]}
+
 The loop knows controllers only through `Decider`: ``adaptipe.controllers`` sits above
 the runtime in the import order (docs/architecture.md), so the caller passes the
 factory in (`adaptipe.controllers.live.decider` does observe + decide).
@@ -46,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record, StageStats
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.adapt_requests import ADAPT_REQUEST, AdaptOverride, read_override
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
@@ -126,6 +135,28 @@ class _Call:
         return (self.ended if self.ended is not None else self.clock()) - self.started
 
 
+class _Build:
+    """A controller built on a daemon thread (``adaptipe adapt --controller``)."""
+
+    def __init__(self, fn: Callable[[], Decider | None]) -> None:
+        self.result: Decider | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name="adaptipe-build", daemon=True).start()
+
+    def _run(self, fn: Callable[[], Decider | None]) -> None:
+        try:
+            self.result = fn()
+        except Exception as exc:  # logged by the loop; the previous controller stays
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
 @dataclass(slots=True)
 class _Pending:
     """A committed move whose realised gain is still to be measured."""
@@ -141,25 +172,36 @@ class AdaptLoop:
     Args:
         run: the run directory (plan versions, adoptions).
         settings: the run's ``[adapt]``.
-        decider: the controller behind the `Decider` protocol.
+        decider: the controller behind the `Decider` protocol (None: none decides until
+            ``adaptipe adapt --controller`` names one).
         records: the telemetry kept so far (e.g. `Collector.records`); called on the
             poll, cheap.
         start: the first iteration this launch trains (a resume's checkpoint).
         commit: commits layer bounds, returns the version (default: `repartition`).
+        rebuild: builds the controller a name stands for (None for "none"); without it
+            ``adaptipe adapt --controller`` is refused here with an error event.
     """
 
     def __init__(
         self,
         run: RunDir,
         settings: AdaptSection,
-        decider: Decider,
+        decider: Decider | None,
         records: Callable[[], Sequence[Record]],
         *,
         start: int = 0,
         commit: Callable[[tuple[int, ...]], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rebuild: Callable[[str], Decider | None] | None = None,
     ) -> None:
         self.run, self.settings, self.decider = run, settings, decider
+        self._rebuild = rebuild
+        self.paused = False
+        self._override_seq = 0
+        self._override_stamp: tuple[int, int] | None = None
+        self._asked_by = self.name  # the controller of the call in flight
+        self._building: _Build | None = None  # adaptipe adapt --controller
+        self._building_asked: AdaptOverride | None = None
         self._records, self._clock, self._start = records, clock, start
         self._commit = commit if commit is not None else self._repartition
         self._latest = start - 1  # the last merged iteration
@@ -171,21 +213,99 @@ class AdaptLoop:
         self._last_move: int | None = None  # the iteration of the last committed move
         self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
 
+    @property
+    def active(self) -> bool:
+        """Whether a controller decides now (not paused, one named)."""
+        return self.decider is not None and not self.paused
+
+    @property
+    def name(self) -> str:
+        return self.decider.name if self.decider is not None else "none"
+
     def poll(self, merged: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Take the newly merged iterations; return the events to log. Never blocks."""
         for rec in merged:
             self._times[int(rec["iteration"])] = float(rec["iteration_s"])
             self._latest = max(self._latest, int(rec["iteration"]))
-        events = self._collect()
+        events = self._overridden() + self._built() + self._collect()
         if merged and self._pending:
             events += self._outcomes()
         if merged:  # keep what an outcome may still need
             keep = min([self._asked[0], *(p.iteration for p in self._pending)])
             keep -= self.settings.window
             self._times = {i: t for i, t in self._times.items() if i > keep}
-        if self._call is None and self._latest >= self._next_check:
+        if self._call is None and self._latest >= self._next_check and self.active:
             self._maybe_start()
         return events
+
+    # ------------------------------------------------------------------ live changes
+    def _overridden(self) -> list[dict[str, Any]]:
+        """Apply a new ``adaptipe adapt`` request (the file is stat'ed each poll, read
+        only when it changed)."""
+        path = self.run.root / ADAPT_REQUEST
+        try:
+            st = path.stat()
+        except OSError:
+            return []
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._override_stamp:
+            return []
+        self._override_stamp = stamp
+        try:
+            asked = read_override(self.run.root)
+        except PlanError as exc:
+            return [self._control_event(None, "none", error=str(exc))]
+        if asked is None or asked.seq <= self._override_seq:
+            return []
+        self._override_seq = asked.seq
+        return self._apply(asked)
+
+    def _apply(self, asked: AdaptOverride) -> list[dict[str, Any]]:
+        previous = self.name
+        self.paused = asked.paused
+        wanted = asked.controller
+        if wanted is None or wanted == previous:
+            return [self._control_event(asked, previous)]
+        if self._rebuild is None:
+            why = "this manager cannot change its controller (no decider factory)"
+            return [self._control_event(asked, previous, error=why)]
+        # Built on a thread: loading a controller (its imports, a learned model) can take
+        # seconds, and the poll must not stop merging iterations meanwhile.
+        rebuild = self._rebuild
+        self._building = _Build(lambda: rebuild(wanted))
+        self._building_asked = asked
+        return []
+
+    def _built(self) -> list[dict[str, Any]]:
+        """The event of a controller build that has finished (it takes over now)."""
+        build, asked = self._building, self._building_asked
+        if build is None or not build.done or asked is None:
+            return []
+        self._building = None
+        previous = self.name
+        if build.error is not None:  # e.g. a learned policy for another stage count
+            return [self._control_event(asked, previous, error=_describe(build.error))]
+        self.decider = build.result
+        self._next_check = min(self._next_check, self._latest + 1)
+        return [self._control_event(asked, previous)]
+
+    @property
+    def building(self) -> bool:
+        """Whether a controller named by ``adaptipe adapt`` is still being built."""
+        return self._building is not None
+
+    def _control_event(
+        self, asked: AdaptOverride | None, previous: str, *, error: str | None = None
+    ) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "event": "adapt_control",
+            "iteration": self._latest,
+            "seq": asked.seq if asked is not None else None,
+            "paused": self.paused,
+            "controller": self.name,
+            "previous": previous,
+        }
+        return event | ({"error": error} if error is not None else {})
 
     def close(self) -> list[dict[str, Any]]:
         """The run ended: the events of a call that has finished by now."""
@@ -205,7 +325,9 @@ class AdaptLoop:
             r for r in self._records() if not isinstance(r, StageStats) or r.iteration >= since
         ]
         decider = self.decider
+        assert decider is not None  # active
         self._asked = (self._latest, tuple(partition.bounds))
+        self._asked_by = decider.name
         self._call = _Call(lambda: decider(records, partition), self._act, self._clock)
         self.calls += 1
         self._next_check = self._latest + self.settings.check_every
@@ -246,7 +368,7 @@ class AdaptLoop:
         return {
             "event": "decision",
             "iteration": iteration,
-            "controller": self.decider.name,
+            "controller": self._asked_by,
             "bounds": list(bounds),
             "dry_run": self.settings.dry_run,
             "seconds": round(call.seconds(), 6),

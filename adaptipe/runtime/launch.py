@@ -25,7 +25,7 @@ from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
 from adaptipe.monitor.collector import Collector
 from adaptipe.monitor.schema import Event
-from adaptipe.runtime.adapt_loop import AdaptLoop, DeciderFactory
+from adaptipe.runtime.adapt_loop import AdaptLoop, Decider, DeciderFactory
 from adaptipe.runtime.bootstrap import EXIT_RESTART
 from adaptipe.runtime.config import RunConfig, parse_config
 from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
@@ -321,7 +321,8 @@ def _run(
         collector, workers = elsewhere.start(run, follower, monitored=monitored)
         marked = True  # with where its telemetry goes: the workers look it up
     else:
-        marked = controller is not None
+        # `adaptipe stop` and `adaptipe adapt` can tell their request is heard
+        marked = controller is not None or (decider is not None and cfg.train.telemetry)
         if marked:
             mark_manager(run, running=True)  # `adaptipe stop` can tell its request is heard
         collector = Collector(jsonl=run.telemetry).start() if monitored else None
@@ -348,8 +349,8 @@ def _run(
         on_iteration=on_iteration,
         marked=marked,
     )
-    if chosen is not None and collector is not None:
-        launch.adapt = AdaptLoop(run, cfg.adapt, chosen, collector.records, start=start)
+    if decider is not None and collector is not None and cfg.train.telemetry:
+        launch.adapt = _adapt_loop(run, cfg, decider, chosen, collector, start)
     try:
         if scenario is not None:
             assert collector is not None
@@ -367,10 +368,7 @@ def _run(
             run.metrics.open("a") as metrics,
             (run.root / "control.jsonl").open("a") as control_log,
         ):
-            # A controller acts on merged iterations: poll often enough that a
-            # decision is not an iteration late for want of one.
-            poll = min(poll_s, ADAPT_POLL_S) if launch.adapt is not None else poll_s
-            _follow(launch, metrics, control_log, poll_s=poll)
+            _follow(launch, metrics, control_log, poll_s=poll_s)
     finally:
         launch.close()
     wall = time.monotonic() - t0
@@ -408,6 +406,9 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
             control_log.write(json_line(event))
             control_log.flush()
         launch.announce(events)
+        # A controller acts on merged iterations: poll often enough that a decision is
+        # not an iteration late for want of one.
+        pause = min(poll_s, ADAPT_POLL_S) if launch.adapt and launch.adapt.active else poll_s
         codes = workers.codes()
         if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
             workers.respawn()
@@ -429,7 +430,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 control_log.write(json_line(event))
             launch.announce(last)
             break
-        time.sleep(poll_s)
+        time.sleep(pause)
     if controller is not None:
         for event in controller.poll():  # requests that came with the last records
             control_log.write(json_line(event))
@@ -438,6 +439,27 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
         if late:
             event = {"event": "stop_unadopted", "jobs": sorted(late), "why": LATE_STOP}
             control_log.write(json_line(event))
+
+
+def _adapt_loop(
+    run: RunDir,
+    cfg: RunConfig,
+    factory: DeciderFactory,
+    chosen: Decider | None,
+    collector: Collector,
+    start: int,
+) -> AdaptLoop:
+    """The decision loop; with no controller configured it idles until ``adaptipe adapt``
+    names one."""
+    rebuild = functools.partial(_rebuild, factory, run, cfg)
+    return AdaptLoop(run, cfg.adapt, chosen, collector.records, start=start, rebuild=rebuild)
+
+
+def _rebuild(factory: DeciderFactory, run: RunDir, cfg: RunConfig, name: str) -> Decider | None:
+    """The controller ``name`` for this run (``adaptipe adapt --controller``)."""
+    if name == "none":
+        return None
+    return factory(run, replace(cfg, adapt=replace(cfg.adapt, controller=name)))
 
 
 def _controller(run: RunDir, cfg: RunConfig, total: int) -> JobController | None:
