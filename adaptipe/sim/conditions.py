@@ -28,7 +28,18 @@ from adaptipe.profile.types import Profile
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.sim.costs import CostModel
-from adaptipe.sim.dag import COMP, KIND, LINK, SEND, STEP, VSTAGE, WORKER, XFER, compile_schedule
+from adaptipe.sim.dag import (
+    COMP,
+    COMPUTE,
+    KIND,
+    LINK,
+    SEND,
+    STEP,
+    VSTAGE,
+    WORKER,
+    XFER,
+    compile_schedule,
+)
 from adaptipe.sim.dag import GRAD as GRAD_ROW
 from adaptipe.sim.engine import simulate_iterations
 
@@ -255,7 +266,7 @@ def first_iteration_times(
             grad[p, s] = costs.gradient_bytes[a]
     ops = prog.ops
     work = np.zeros((P, ops.shape[1]))
-    on = ops[KIND] == 0  # COMPUTE: forward, backward, recompute (a forward's cost)
+    on = ops[KIND] == COMPUTE  # forward, backward, recompute (a forward's cost)
     table = np.stack([fwd, bwd, fwd])
     work[:, on] = table[ops[COMP, on], :, ops[VSTAGE, on]].T
     step = ops[KIND] == STEP
