@@ -13,7 +13,9 @@ chain it, on one thread:
 4. **policy**: the PPO switch policy on the encoded observation.
 
 Prints one JSON object: the median and p99 milliseconds of each part and of the
-whole. Target: a whole decision under 10 ms.
+whole, and of the whole's CPU time on its thread (``whole_cpu``: what it costs when
+other jobs share the cores, as wall time then also counts the waits for a core).
+Target: a whole decision under 10 ms.
 
     python bench/bench_decision.py [--traces 6]
 """
@@ -38,6 +40,7 @@ from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.heldout import heldout_traces
 
 PARTS = ("features_forest", "candidates", "predictor", "policy", "whole")
+SERIES = (*PARTS, "whole_cpu")
 
 
 def _ms(samples: list[float]) -> dict[str, float]:
@@ -59,12 +62,13 @@ def main() -> None:
     settings = EpisodeSettings(model="gpt", stages=4)
     profile = settings.profile
     traces = heldout_traces()[:: max(len(heldout_traces()) // args.traces, 1)][: args.traces]
-    times: dict[str, list[float]] = {p: [] for p in PARTS}
+    times: dict[str, list[float]] = {p: [] for p in SERIES}
     for trace in traces:
         episode = Episode(trace, settings, seed=trace.seed or 0)
         episode.run()
         while not episode.done:
             obs = episode.observation()
+            c0 = time.thread_time()
             t0 = time.perf_counter()
             rows = np.stack([
                 features(obs.device[s], stage_info(profile, obs.bounds, s))
@@ -82,6 +86,7 @@ def main() -> None:
             )
             policy.act(encode(obs, best[:k], slowdowns=slow))
             t4 = time.perf_counter()
+            times["whole_cpu"].append(time.thread_time() - c0)
             for part, seconds in zip(
                 PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0), strict=True
             ):
@@ -90,10 +95,10 @@ def main() -> None:
     out: dict[str, Any] = {
         "setting": "gpt (16 layers), 4 stages, 8 micro-batches; one thread",
         "decisions": len(times["whole"]),
-        "target": "whole decision under 10 ms",
+        "target": "whole decision under 10 ms at p99",
     }
     out |= {part: _ms(samples) for part, samples in times.items()}
-    out["target_met"] = out["whole"]["median_ms"] < 10.0
+    out["target_met"] = out["whole"]["p99_ms"] < 10.0
     print(json.dumps(out, indent=1))
 
 

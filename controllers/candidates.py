@@ -13,16 +13,18 @@ Two families, after the papers the controllers follow:
   `adaptipe.plan.condense`) and every partition whose cuts lie on block boundaries is a
   candidate: C(k - 1, S - 1) of them (35 for k = 8 blocks, 4 stages).
 
-`score` runs each candidate through the simulator (`adaptipe.sim.conditions`, one
-iteration) with stage ``s`` at ``slowdowns[s]`` over the observed link bandwidths;
-`top_k` is the best k of both families but the partition in force, for an environment's
-action space. The simulator takes about 0.4 ms a candidate (16 layers, 4 stages, 8
-micro-batches), so `top_k` first ranks every candidate by DynPipe's analytic cycle time
-(`adaptipe.controllers.replan.predicted_time`, about 4 us) and simulates only the best
+`score` runs every candidate through the simulator at once
+(`adaptipe.sim.conditions.first_iteration_times`: one iteration, one walk of the
+schedule for all of them) with stage ``s`` at ``slowdowns[s]`` over the observed link
+bandwidths; `top_k` is the best k of both families but the partition in force, for an
+environment's action space. `top_k` first ranks every candidate by DynPipe's analytic
+cycle time (`adaptipe.controllers.replan.predicted_time`) and simulates only the best
 ``k + screen``. On the reference GPT (``envs/profiles/gpt.json``, 16 layers, 2-4 stages,
-4-16 micro-batches, random slowdowns and links, 80 cases) ``screen = 8`` took about 5 ms
-for k = 4 (all ~55 candidates: 13 ms) and missed the simulator's best once, by 1.6%;
-``screen = 4``: 3 ms, 3 misses of at most 2.7%; ``screen = 12``: none.
+4-16 micro-batches, random slowdowns and links, 80 cases) ``screen = 8`` missed the
+simulator's best once, by 1.6%; ``screen = 4``: 3 misses of at most 2.7%; ``screen =
+12``: none. Simulating a candidate at a time (0.4 ms each), k = 4 took about 5 ms with
+``screen = 8`` and 13 ms for all ~55; simulated together, 0.5 ms and 0.6 ms (CPU time,
+the held-out decisions of ``bench/bench_decision.py``).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from adaptipe.controllers.observation import Observation
-from adaptipe.controllers.replan import best_partition, predicted_time
+from adaptipe.controllers.replan import best_partition
 from adaptipe.errors import PlanError
 from adaptipe.plan.condense import condense
+from adaptipe.plan.dynpipe import cycle_time
 from adaptipe.profile.types import LayerProfile, Profile
-from adaptipe.sim.conditions import LayerCosts, iteration_times
+from adaptipe.sim.conditions import LayerCosts, first_iteration_times
 from adaptipe.sim.migration import layer_owners
 
 __all__ = [
@@ -165,23 +168,28 @@ def score(
     """Each candidate with its simulated seconds for one iteration (``obs.microbatches``
     micro-batches), stage ``s`` at ``slowdowns[s]`` times its layers' profiled seconds,
     over the observed link bandwidths; best first, ties by bounds. Duplicates are scored
-    once."""
-    costs = layer_costs(obs)
-    slow = np.asarray([list(slowdowns)], dtype=np.float64)
-    out: list[tuple[Bounds, float]] = []
-    seen: set[Bounds] = set()
-    for cand in candidates:
-        bounds = tuple(int(b) for b in cand)
-        if bounds in seen:
-            continue
-        seen.add(bounds)
-        stages = len(bounds) - 1
-        if slow.shape[1] != stages:
+    once. All candidates share one walk of the schedule
+    (`adaptipe.sim.conditions.first_iteration_times`)."""
+    slow = tuple(float(v) for v in slowdowns)
+    unique = list(dict.fromkeys(tuple(int(b) for b in cand) for cand in candidates))
+    for bounds in unique:
+        if len(bounds) - 1 != len(slow):
             raise PlanError(
-                f"score: {slow.shape[1]} slowdowns for the {stages} stages of {list(bounds)}"
+                f"score: {len(slow)} slowdowns for the {len(bounds) - 1} stages of {list(bounds)}"
             )
-        bws = np.asarray([link_bandwidths(obs, stages)], dtype=np.float64)
-        out.append((bounds, float(iteration_times(costs, bounds, slow, bws)[0])))
+    if not unique:
+        return []
+    count = len(unique)
+    times = first_iteration_times(
+        layer_costs(obs),
+        unique,
+        np.broadcast_to(np.asarray(slow, dtype=np.float64), (count, len(slow))),
+        np.broadcast_to(
+            np.asarray(link_bandwidths(obs, len(slow)), dtype=np.float64),
+            (count, len(slow) - 1),
+        ),
+    )
+    out = list(zip(unique, times.tolist(), strict=True))
     out.sort(key=lambda bs: (bs[1], bs[0]))
     return out
 
@@ -209,9 +217,34 @@ def top_k(
     found.discard(tuple(obs.bounds))
     ranked = sorted(found)
     if screen is not None and len(ranked) > k + screen:
-        ranked.sort(key=lambda b: (predicted_time(obs, b, slow), b))
-        ranked = ranked[: k + screen]
+        ranked = _screen(obs, ranked, slow, k + screen)
     return score(obs, ranked, slow)[:k]
+
+
+def _screen(
+    obs: Observation, ranked: list[Bounds], slow: Sequence[float], keep: int
+) -> list[Bounds]:
+    """The ``keep`` best of ``ranked`` by DynPipe's analytic time, ties by bounds: what
+    ranking by `replan.predicted_time` gives, each stage's layer sum computed once (in
+    its order, so rounding and ties stay the same)."""
+    work = [f + b for f, b in zip(obs.layer_forward_s, obs.layer_backward_s, strict=True)]
+    bws = link_bandwidths(obs)
+    sums: dict[tuple[int, int], float] = {}
+
+    def layers(a: int, b: int) -> float:
+        hit = sums.get((a, b))
+        if hit is None:
+            hit = sums[(a, b)] = sum(work[a:b])
+        return hit
+
+    def predicted(bounds: Bounds) -> float:
+        total = slow[0] * layers(bounds[0], bounds[1])
+        for s in range(1, len(bounds) - 1):
+            comm = obs.boundary_bytes[bounds[s] - 1] / bws[s - 1]
+            total = cycle_time(total, comm, slow[s] * layers(bounds[s], bounds[s + 1]))
+        return total
+
+    return sorted(ranked, key=lambda b: (predicted(b), b))[:keep]
 
 
 def candidates(

@@ -66,7 +66,7 @@ _MIB = float(2**20)
 _BULK_ROWS = 256  # from here on scikit-learn's predict is faster (bench_interference)
 
 #: The forest's hyper-parameters. 128 trees as DynPipe; leaves of at least 8 rows and
-#: at most 12 levels keep the shipped file small (0.5 MB deflated on 48k rows) and the
+#: at most 12 levels keep the shipped file small (0.7 MB deflated on 48k rows) and the
 #: packed descent short (docs/interference.md).
 FOREST_PARAMS: dict[str, Any] = {
     "n_estimators": 128,

@@ -14,7 +14,7 @@ before the row. Grouped cross-validation keeps every scenario's rows on one side
   built-in profile (``gpt`` or ``cnn``) for its stage features; the synthetic slowdown
   does not depend on them. Stale: the stage's slowdown at the previous iteration (1.0,
   solo, at the first). Group: the trace.
-- **Measured** (`csv_rows`): every row of a collect CSV. Its rows are no time series
+- **Measured** (`csv_rows`): every row of a collect CSV (`MEASURED`: the ones shipped). Its rows are no time series
   (each is a fresh baseline/interfered pair on a random level), so stale is what a
   controller knew right after a re-partition: the slowdown last measured under the same
   interference level on another stage (1.0 when that level was not seen yet). Group:
@@ -43,9 +43,14 @@ from adaptipe.inject.dataset import COLUMNS
 from adaptipe.monitor.features import FEATURES
 from adaptipe.monitor.schema import DeviceSample
 
-__all__ = ["Dataset", "TraceSpec", "build_dataset", "csv_rows", "trace_rows"]
+__all__ = ["MEASURED", "Dataset", "TraceSpec", "build_dataset", "csv_rows", "trace_rows"]
 
 Array = npt.NDArray[np.float64]
+
+#: The measured rows shipped with the repository (``envs/data/``): ``adaptipe
+#: collect-interference`` on the 2-core CPU this project is developed on, and what the
+#: shipped forest trains on besides the synthetic traces (docs/interference.md).
+MEASURED: tuple[Path, ...] = (Path(__file__).resolve().parent / "data" / "interference-cpu.csv",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

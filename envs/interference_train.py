@@ -32,25 +32,33 @@ def train_interference(
     seed: int = 0,
     out: Path | None = None,
     data: Sequence[Path] = (),
+    measured: bool = True,
     progress: Callable[[str], None] | None = None,
     spec: Any = None,
     folds: int = 5,
 ) -> Path:
-    """Build the dataset (synthetic traces, ``spec``: default `TraceSpec()`, plus the collect
-    CSVs in ``data``), compare the forest with linear, MLP and stale on scenario-grouped
-    ``folds``-fold CV, fit on every row and save the artifact in ``out`` (default: the
-    shipped folder). Returns ``out``."""
+    """Build the dataset (synthetic traces, ``spec``: default `TraceSpec()`; the shipped
+    measured rows, `MEASURED`, unless ``measured`` is False; and the collect CSVs in
+    ``data``), compare the forest with linear, MLP and stale on scenario-grouped
+    ``folds``-fold CV, over every row and over the measured rows held out (metrics
+    ``measured_held_out``, when there are measured rows), fit on every row and save the
+    artifact in ``out`` (default: the shipped folder). Returns ``out``."""
     import sklearn
 
     from adaptipe.envs.interference_cv import grouped_cv
-    from adaptipe.envs.interference_data import TraceSpec, build_dataset
+    from adaptipe.envs.interference_data import MEASURED, TraceSpec, build_dataset
 
     say = progress or (lambda _: None)
     began = time.perf_counter()
     spec = TraceSpec() if spec is None else spec
-    ds = build_dataset(spec=spec, data=data)
+    ds = build_dataset(spec=spec, data=[*(MEASURED if measured else ()), *data])
     say(f"dataset: {len(ds)} rows, {ds.num_groups} scenarios ({time.perf_counter() - began:.1f} s)")
     metrics = grouped_cv(ds, seed=seed, folds=folds, progress=say)
+    if any(g.startswith("collect:") for g in ds.groups):
+        say("measured rows held out, the synthetic ones training in every fold:")
+        metrics["measured_held_out"] = grouped_cv(
+            ds, seed=seed, folds=folds, held_out="collect", progress=say
+        )
     model = InterferenceModel.fit(ds.x, ds.y, seed=seed)
     say(f"fitted the forest on every row ({time.perf_counter() - began:.1f} s)")
     blob = model.to_bytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
+import json
 import zipfile
 from pathlib import Path
 
@@ -28,7 +29,13 @@ from adaptipe.controllers.interference import (
 )
 from adaptipe.envs.episode import load_profile
 from adaptipe.envs.interference_cv import grouped_cv
-from adaptipe.envs.interference_data import Dataset, TraceSpec, build_dataset, csv_rows
+from adaptipe.envs.interference_data import (
+    MEASURED,
+    Dataset,
+    TraceSpec,
+    build_dataset,
+    csv_rows,
+)
 from adaptipe.envs.interference_train import train_interference
 from adaptipe.errors import PlanError
 from adaptipe.inject.dataset import COLUMNS
@@ -71,13 +78,17 @@ def test_packed_prediction_equals_the_forest_and_takes_one_row() -> None:
 
 def test_an_artifact_round_trips_with_equal_predictions(tmp_path: Path) -> None:
     spec = TraceSpec(families=("poisson-heavy",), seeds=2, iterations=20, stages=2)
-    ds = build_dataset(spec=spec)
+    ds = build_dataset(spec=spec, data=MEASURED)  # the shipped measured rows by default
     root = train_interference(seed=3, out=tmp_path / "a", spec=spec, folds=2)
     loaded = load_interference(root)
     fresh = InterferenceModel.fit(ds.x, ds.y, seed=3)
     assert np.array_equal(loaded.predict(ds.x), fresh.predict(ds.x))
     assert loaded.training["seed"] == 3 and loaded.training["rows"] == len(ds)
     assert set(loaded.metrics["models"]) == {"forest", "linear", "mlp", "stale"}
+    held = loaded.metrics["measured_held_out"]
+    assert held["rows"] == len(csv_rows(MEASURED[0])) and set(held["by_kind"]) == {"collect"}
+    alone = train_interference(seed=3, out=tmp_path / "b", spec=spec, folds=2, measured=False)
+    assert "measured_held_out" not in load_interference(alone).metrics
 
 
 def test_a_tampered_artifact_is_refused(tmp_path: Path) -> None:
@@ -127,8 +138,12 @@ def test_seeded_training_reproduces_the_shipped_artifacts_metadata() -> None:
     spec = TraceSpec(
         **{k: tuple(v) if isinstance(v, list) else v for k, v in meta["traces"].items()}
     )
-    assert spec == TraceSpec() and meta["data"] == [f"synthetic traces {spec.to_json()}"]
-    ds = build_dataset(spec=spec)  # the whole shipped dataset: a few seconds
+    assert spec == TraceSpec()
+    assert meta["data"] == [
+        f"synthetic traces {spec.to_json()}",
+        *(f"collect-interference {p.name}" for p in MEASURED),
+    ]
+    ds = build_dataset(spec=spec, data=MEASURED)  # the whole shipped dataset: a few seconds
     assert (meta["rows"], meta["groups"], meta["dataset_sha256"]) == (
         len(ds),
         ds.num_groups,
@@ -145,6 +160,29 @@ def test_the_forest_beats_linear_on_a_small_grouped_cv() -> None:
     scores = result["models"]
     assert result["groups"] == 6 and result["rows"] == len(_small())
     assert scores["forest"]["mae"] < scores["linear"]["mae"]
+
+
+def test_the_measured_rows_are_shipped_small_and_described() -> None:
+    for path in MEASURED:
+        assert path.stat().st_size < 500_000
+        ds = csv_rows(path)
+        assert len(ds) >= 100 and ds.num_groups >= 10 and np.all(ds.y > 0)
+        meta = json.loads(path.with_suffix(".json").read_text())
+        assert meta["kind"] == "adaptipe-interference-dataset" and meta["data"] == path.name
+        assert meta["run"]["status"] == "complete" and meta["run"]["rows"] == len(ds)
+
+
+def test_held_out_cv_scores_only_that_kind_and_trains_on_the_rest_always() -> None:
+    measured = csv_rows(MEASURED[0])
+    ds = Dataset.join([_small(), measured])
+    got = grouped_cv(ds, seed=0, folds=3, models=("linear", "stale"), held_out="collect")
+    assert got["rows"] == len(measured) and got["groups"] == measured.num_groups
+    assert got["trained_always"] == len(_small()) and set(got["by_kind"]) == {"collect"}
+    whole = grouped_cv(ds, seed=0, folds=3, models=("stale",))
+    assert whole["models"]["stale"]["mae"] != got["models"]["stale"]["mae"]
+    assert whole["rows"] == len(ds) and whole["trained_always"] == 0
+    with pytest.raises(PlanError, match=r"folds must be in 2\.\.3, the scenarios of kind"):
+        grouped_cv(ds, folds=7, models=("stale",), held_out="trace:mixture")
 
 
 def test_collect_csv_rows_are_grouped_by_stage_and_stale_by_level(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ partition and runs the schedule (`adaptipe.sim.engine.simulate_iterations`) for 
 iterations as there are rows of conditions: per iteration a slowdown per stage and a
 bandwidth per stage boundary (both directions). Iterations whose bandwidths are equal
 run as one vectorised block; the pipeline starts each block empty, as the synchronous
-schedules do every iteration anyway.
+schedules do every iteration anyway. `first_iteration_times` is one iteration from an
+empty pipeline for many partitions at once (a controller's candidates): the same
+seconds, bit for bit, at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -26,9 +28,22 @@ from adaptipe.profile.types import Profile
 from adaptipe.schedule.build import build_schedule
 from adaptipe.schedule.types import Schedule
 from adaptipe.sim.costs import CostModel
+from adaptipe.sim.dag import (
+    COMP,
+    COMPUTE,
+    KIND,
+    LINK,
+    SEND,
+    STEP,
+    VSTAGE,
+    WORKER,
+    XFER,
+    compile_schedule,
+)
+from adaptipe.sim.dag import GRAD as GRAD_ROW
 from adaptipe.sim.engine import simulate_iterations
 
-__all__ = ["LayerCosts", "iteration_times", "unlimited"]
+__all__ = ["LayerCosts", "first_iteration_times", "iteration_times", "unlimited"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -86,10 +101,8 @@ class LayerCosts:
             schedule=schedule,
         )
 
-    def cost_model(self, bounds: Sequence[int], bandwidth_Bps: Sequence[float]) -> CostModel:
-        """The simulator's costs of partition ``bounds`` with link ``s <-> s + 1`` at
-        ``bandwidth_Bps[s]`` in both directions (inf: free)."""
-        stages = len(bounds) - 1
+    def check_partition(self, bounds: Sequence[int]) -> None:
+        """Raise `PlanError` unless ``bounds`` partitions the layers."""
         if (
             bounds[0] != 0
             or bounds[-1] != self.num_layers
@@ -99,6 +112,12 @@ class LayerCosts:
                 f"LayerCosts: {list(bounds)} is not a partition of {self.num_layers} layers "
                 "(increasing, from 0 to the layer count)"
             )
+
+    def cost_model(self, bounds: Sequence[int], bandwidth_Bps: Sequence[float]) -> CostModel:
+        """The simulator's costs of partition ``bounds`` with link ``s <-> s + 1`` at
+        ``bandwidth_Bps[s]`` in both directions (inf: free)."""
+        stages = len(bounds) - 1
+        self.check_partition(bounds)
         if len(bandwidth_Bps) != stages - 1:
             raise PlanError(
                 f"LayerCosts: {len(bandwidth_Bps)} bandwidths for {stages - 1} stage boundaries"
@@ -150,6 +169,136 @@ def iteration_times(
         result = simulate_iterations(schedule, model, end - start, slowdown=slow[start:end])
         out[start:end] = result.iteration_s
         start = end
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    """A one-job, one-chunk schedule's DAG as `first_iteration_times` walks it."""
+
+    kinds: list[int]
+    workers: list[int]
+    links: list[int]
+    xfers: list[int]
+    compute: npt.NDArray[np.int64]  # ops that compute (COMPUTE or STEP), in order
+    merge: list[int]  # starts of runs of one worker's consecutive compute ops
+    column: dict[int, int]  # op -> its run's column
+    ops: npt.NDArray[np.int64]
+    link_pairs: npt.NDArray[np.int64]  # per link: its stage boundary (stages - 1: none)
+
+
+@functools.lru_cache(maxsize=64)
+def _program(name: str, stages: int, microbatches: int) -> _Program | None:
+    schedule = _schedule(name, stages, microbatches)
+    if schedule.num_jobs != 1 or schedule.num_chunks != 1:
+        return None
+    c = compile_schedule(schedule)
+    kinds, workers, links, xfers = (c.ops[r].tolist() for r in (KIND, WORKER, LINK, XFER))
+    comp = [k for k, kind in enumerate(kinds) if kind <= STEP]
+    # the same runs as engine._maxplus_block sums, so the sums round the same way
+    merge = [
+        j
+        for j, k in enumerate(comp)
+        if j == 0 or comp[j - 1] != k - 1 or workers[k] != workers[k - 1]
+    ]
+    return _Program(
+        kinds=kinds,
+        workers=workers,
+        links=links,
+        xfers=xfers,
+        compute=np.asarray(comp, dtype=np.int64),
+        merge=merge,
+        column={comp[p]: j for j, p in enumerate(merge)},
+        ops=c.ops,
+        link_pairs=np.asarray(
+            [min(a, b) if abs(a - b) == 1 else stages - 1 for a, b in c.links], dtype=np.int64
+        ),
+    )
+
+
+def first_iteration_times(
+    costs: LayerCosts,
+    partitions: Sequence[Sequence[int]],
+    slowdown: npt.ArrayLike,
+    bandwidth_Bps: npt.ArrayLike,
+) -> FloatArray:
+    """Seconds of one iteration from an empty pipeline of each of ``partitions`` (one
+    stage count): ``slowdown`` ``(P, stages)``, ``bandwidth_Bps`` ``(P, stages - 1)``.
+
+    Each is ``iteration_times(costs, partitions[p], slowdown[p:p+1], bandwidth_Bps[p:p+1])``
+    to the last bit: the schedule's DAG is walked once for all partitions, carrying each
+    one's finish times where `simulate_iterations` carries max-plus matrices (from a zero
+    state the maximum over a matrix row is that finish time, as rounding is monotonic).
+    """
+    P = len(partitions)
+    stages = len(partitions[0]) - 1 if P else 1
+    slow = np.asarray(slowdown, dtype=np.float64).reshape(P, stages)
+    bws = np.asarray(bandwidth_Bps, dtype=np.float64).reshape(P, stages - 1)
+    prog = _program(costs.schedule, stages, costs.microbatches) if P else None
+    if prog is None:
+        return np.asarray(
+            [
+                iteration_times(costs, b, slow[p : p + 1], bws[p : p + 1])[0]
+                for p, b in enumerate(partitions)
+            ]
+        )
+    if np.any(slow <= 0) or not np.all(np.isfinite(slow)) or np.any(bws <= 0):
+        raise PlanError("first_iteration_times: slowdowns must be finite and > 0, bandwidths > 0")
+    fwd, bwd, upd, act, grad = (np.empty((P, stages)) for _ in range(5))
+    sums: dict[tuple[int, int], tuple[float, float, float]] = {}
+    for p, bounds in enumerate(partitions):
+        if len(bounds) != stages + 1:
+            raise PlanError(
+                f"first_iteration_times: {list(bounds)} has not the {stages} stages of the first"
+            )
+        costs.check_partition(bounds)
+        for s in range(stages):
+            a, b = bounds[s], bounds[s + 1]
+            hit = sums.get((a, b))
+            if hit is None:  # Python's sum, as LayerCosts.cost_model adds them
+                hit = sums[(a, b)] = (
+                    float(sum(costs.forward_s[a:b])),
+                    float(sum(costs.backward_s[a:b])),
+                    float(sum(costs.update_s[a:b])) if costs.update_s else 0.0,
+                )
+            fwd[p, s], bwd[p, s], upd[p, s] = hit
+            act[p, s] = costs.activation_bytes[b - 1]
+            grad[p, s] = costs.gradient_bytes[a]
+    ops = prog.ops
+    work = np.zeros((P, ops.shape[1]))
+    on = ops[KIND] == COMPUTE  # forward, backward, recompute (a forward's cost)
+    table = np.stack([fwd, bwd, fwd])
+    work[:, on] = table[ops[COMP, on], :, ops[VSTAGE, on]].T
+    step = ops[KIND] == STEP
+    work[:, step] = upd[:, ops[WORKER, step]]
+    work *= slow[:, ops[WORKER]]
+    merged = np.add.reduceat(work[:, prog.compute], prog.merge, axis=1)
+    send = np.flatnonzero((ops[KIND] == SEND) & (ops[LINK] >= 0))
+    nbytes = np.where(
+        ops[GRAD_ROW, send] > 0, grad[:, ops[VSTAGE, send]], act[:, ops[VSTAGE, send]]
+    )
+    free = np.hstack([bws, np.full((P, 1), math.inf)])  # a link no boundary names is free
+    bw = free[:, prog.link_pairs[ops[LINK, send]]]
+    xfer = np.zeros((P, ops.shape[1]))
+    xfer[:, send] = np.where(nbytes > 0, nbytes / bw, 0.0)
+    T = [np.zeros(P) for _ in range(stages)]
+    L = [np.zeros(P) for _ in prog.link_pairs]
+    arrival: dict[int, FloatArray] = {}
+    for k, kind in enumerate(prog.kinds):
+        s = prog.workers[k]
+        if kind <= STEP:
+            j = prog.column.get(k)
+            if j is not None:
+                T[s] = T[s] + merged[:, j]
+        elif kind == SEND:
+            lk = prog.links[k]
+            if lk < 0:
+                arrival[prog.xfers[k]] = T[s] + xfer[:, k]
+            else:
+                L[lk] = arrival[prog.xfers[k]] = np.maximum(T[s], L[lk]) + xfer[:, k]
+        else:
+            T[s] = np.maximum(T[s], arrival.pop(prog.xfers[k]))
+    out: FloatArray = np.max(np.stack(T), axis=0)
     return out
 
 
