@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip --disable-pip-version-check
 CONSTRAINTS ?= constraints.txt
-SOURCES := $(shell find adaptipe controllers envs models -type f \( -name '*.py' -o -name '*.json' -o -name '*.skops' -o -name '*.safetensors' \) 2>/dev/null)
+SOURCES := $(shell find adaptipe controllers envs models -type f \( -name '*.py' -o -name '*.json' -o -name '*.csv' -o -name '*.skops' -o -name '*.safetensors' \) 2>/dev/null)
 DEMO_DIR ?= runs/demo
 
 .PHONY: demo test test-all bench lint clean
