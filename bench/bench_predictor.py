@@ -13,7 +13,15 @@ the previous one on a run with no interference); and the seconds of one
 over the replayed decisions, one thread). Targets: MAPE under 5% per family, a
 decision under 10 ms.
 
-    python bench/bench_predictor.py [--artifact DIR]
+``--bound`` adds per family the state oracle's MAPE (`adaptipe.envs.predictor_bound`:
+it knows the present exactly, not the arrivals and departures to come; a floor for any
+predictor that sees only the past). ``--recorded`` takes real runs: a run directory
+(or a `compact_run` copy, as ``tests/data/predictor/``) is evaluated on its own
+measured iteration times (`adaptipe.envs.predictor_eval.recorded_report`; a run with
+no injection gives the noise floor as its ``previous``), a trace file (``adaptipe
+controllers record``) is replayed through the simulator as the held-out traces are.
+
+    python bench/bench_predictor.py [--artifact DIR] [--bound] [--recorded RUN|TRACE ...]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,7 +39,9 @@ from adaptipe.controllers.predictor import load_predictor
 from adaptipe.controllers.replan import stage_slowdowns
 from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.heldout import heldout_traces
-from adaptipe.envs.predictor_train import heldout_report
+from adaptipe.envs.predictor_eval import recorded_report
+from adaptipe.envs.predictor_train import evaluate, heldout_report
+from adaptipe.envs.trace import load_trace
 
 
 def _decision_s(predictor, traces) -> tuple[float, float]:  # type: ignore[no-untyped-def]
@@ -55,12 +66,26 @@ def _decision_s(predictor, traces) -> tuple[float, float]:  # type: ignore[no-un
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", default=None, help="an artifact folder (default: shipped)")
+    ap.add_argument("--bound", action="store_true", help="add the state oracle's MAPE")
+    ap.add_argument(
+        "--recorded", nargs="+", default=[], help="run directories or recorded trace files"
+    )
+    ap.add_argument("--skip-heldout", action="store_true", help="only the recorded runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     predictor = load_predictor(args.artifact)
     t0 = time.perf_counter()
-    report = heldout_report(predictor)
+    report = {} if args.skip_heldout else heldout_report(predictor, bound=args.bound)
     seconds = time.perf_counter() - t0
+    if args.recorded:
+        runs = [p for p in args.recorded if Path(p).is_dir()]
+        traces = [load_trace(p) for p in args.recorded if not Path(p).is_dir()]
+        report["recorded_runs"] = recorded_report(predictor, runs) if runs else {}
+        if traces:
+            report["recorded_traces_replayed"] = evaluate(predictor, traces)
+    if args.skip_heldout:
+        print(json.dumps(report, indent=1))
+        return
     predict_s, choose_s = _decision_s(predictor, heldout_traces()[::5])
     out = {
         "model": "gpt (16 layers)",

@@ -16,23 +16,26 @@ micro-batches over the stages.
   per layer ``log(measured / profiled)`` forward + backward seconds (0 where no stage
   reported it), per stage in force the same over the layers it holds (its slowdown),
   and per stage ``log(measured iteration seconds / ref)``;
-- *static and decision vector* ``[4 L + (S - 1) + S F]``: per layer the profiled
-  forward and backward share of the total work, ``log(bytes / mean bytes)`` of what a
-  cut after it carries and of its state; per link ``log1p(boundary seconds / ref stage
-  time)`` at the observed bandwidth; per stage the latest device features
-  (`adaptipe.monitor.features`, already in [0, 1] or log1p-scaled);
-- *candidate vector* ``[L S + 2 S + 2]``: each layer's stage one-hot, per candidate
+- *static vector* ``[4 L + (S - 1)]``: per layer the profiled forward and backward
+  share of the total work, ``log(bytes / mean bytes)`` of what a cut after it carries
+  and of its state; per link ``log1p(boundary seconds / ref stage time)`` at the
+  observed bandwidth; with ``device`` (off in the shipped artifact: it helped nothing
+  on the simulated traces and real CPU readings lie far outside the synthetic ones) per
+  stage the latest device features (`adaptipe.monitor.features`);
+- *candidate vector* ``[L S + 2 S + 2 + 3]``: each layer's stage one-hot, per candidate
   stage its profiled work share (times the stage count) times the slowdown of the
   device that would hold it, once with the window's median slowdown and once with the
-  latest iteration's, and the analytical model's ``log(t / ref)`` and
-  ``log(t / t in force)``.
+  latest iteration's, the analytical model's ``log(t / ref)`` and ``log(t / t in
+  force)``, and per further `SCENARIOS` row (the last iteration's measured slowdowns,
+  the mean of the last two, the median of the last three) ``log(t_row / t)``.
 
-**Target**: ``log(true / analytical)``, the analytical model being the simulator fed
-the window's measured stage slowdowns and links (`adaptipe.controllers.candidates.score`).
-The network learns only what the analytical model misses (where the conditions are
-heading, measurement noise, what a slowdown does to a stage it moves to) and starts
-from its prediction, instead of relearning the pipeline schedule; ``target="log-time"``
-(``log(true / ref)``) is kept for the comparison in the docs.
+**Target** ``latest-ratio``: ``log(true / t_latest)``, ``t_latest`` being the simulator
+fed the last iteration's measured stage slowdowns and the window's links. The network
+learns only what that misses (measurement noise on one iteration, where the conditions
+are heading, what a slowdown does to a stage it moves to) and starts from the best
+single guess, instead of relearning the pipeline schedule. ``ratio`` (relative to the
+analytical model on the window's median slowdowns, `adaptipe.controllers.candidates.score`)
+and ``log-time`` (``log(true / ref)``) are kept for the comparisons in the docs.
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ import numpy.typing as npt
 import torch
 
 from adaptipe.controllers.artifacts import load_artifact, shipped
-from adaptipe.controllers.candidates import link_bandwidths, score
+from adaptipe.controllers.candidates import layer_costs, link_bandwidths
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.replan import stage_slowdowns
 from adaptipe.errors import PlanError
 from adaptipe.monitor.features import FEATURES
+from adaptipe.sim.conditions import iteration_times
 
 __all__ = [
     "FORMAT",
@@ -65,9 +69,10 @@ __all__ = [
     "load_predictor",
 ]
 
-FORMAT = 1
+FORMAT = 2
 MODEL = "predictor"
-TARGETS = ("ratio", "log-time")
+TARGETS = ("latest-ratio", "ratio", "log-time")
+SCENARIOS = ("median", "latest", "last-2", "last-3")  # the slowdowns the simulator is fed
 Array = npt.NDArray[np.float32]
 
 
@@ -82,7 +87,8 @@ class PredictorConfig:
     horizon: int = 10  # K: iterations the predicted mean covers
     hidden: int = 32  # LSTM state
     fc: tuple[int, ...] = (64, 32)
-    target: str = "ratio"
+    target: str = "latest-ratio"
+    device: bool = False  # the stages' device features in the static vector
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -97,19 +103,21 @@ class PredictorConfig:
 
     @property
     def static_size(self) -> int:
-        return 4 * self.layers + (self.stages - 1) + self.stages * len(FEATURES)
+        features = len(FEATURES) if self.device else 0
+        return 4 * self.layers + (self.stages - 1) + self.stages * features
 
     @property
     def candidate_size(self) -> int:
-        return self.layers * self.stages + 2 * self.stages + 2
+        return self.layers * self.stages + 2 * self.stages + 2 + len(SCENARIOS) - 1
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"fc": list(self.fc), "features": list(FEATURES)}
+        return asdict(self) | {"fc": list(self.fc), "features": list(FEATURES) * self.device}
 
     @classmethod
     def from_json(cls, data: Any, *, source: str) -> PredictorConfig:
         try:
-            if list(data.pop("features")) != list(FEATURES):
+            features = list(data.pop("features", []))
+            if data.get("device", True) and features != list(FEATURES):
                 raise PlanError(f"{source}: device features differ from this adaptipe's")
             return cls(**(data | {"fc": tuple(int(v) for v in data["fc"])}))
         except (AttributeError, KeyError, TypeError) as exc:
@@ -148,8 +156,22 @@ class Encoded:
     series: Array  # [window, dynamic_size]
     static: Array  # [static_size]
     candidates: Array  # [N, candidate_size]
-    analytical_s: npt.NDArray[np.float64]  # [N] the analytical model's seconds
+    scenario_s: npt.NDArray[np.float64]  # [N, len(SCENARIOS)] the simulator's seconds
     ref_s: float
+
+    @property
+    def analytical_s(self) -> npt.NDArray[np.float64]:
+        """The analytical model's seconds: fed the window's median slowdowns."""
+        return self.scenario_s[:, 0]
+
+    @property
+    def latest_s(self) -> npt.NDArray[np.float64]:
+        """The simulator fed the last iteration's measured slowdowns."""
+        return self.scenario_s[:, 1]
+
+    def base_s(self, target: str) -> npt.NDArray[np.float64]:
+        """What the network's output multiplies (see `to_seconds`)."""
+        return base_seconds(self.scenario_s, self.ref_s, target)
 
 
 def _ref_s(obs: Observation) -> float:
@@ -194,8 +216,8 @@ def _static(obs: Observation, config: PredictorConfig, ref: float) -> Array:
         math.log1p(float(np.mean(cut)) / bw / stage_mb) if math.isfinite(bw) and bw > 0 else 0.0
         for bw in link_bandwidths(obs, config.stages)
     ]
-    device = np.zeros((config.stages, len(FEATURES)))
-    for s, row in enumerate(obs.device[: config.stages]):
+    device = np.zeros((config.stages, len(FEATURES) if config.device else 0))
+    for s, row in enumerate(obs.device[: config.stages] if config.device else ()):
         device[s, : len(row)] = row
     return np.concatenate(
         [
@@ -209,12 +231,38 @@ def _static(obs: Observation, config: PredictorConfig, ref: float) -> Array:
     ).astype(np.float32)
 
 
+def _scenarios(obs: Observation, series: Array, config: PredictorConfig) -> Array:
+    """Per `SCENARIOS` row, per stage the slowdown the simulator is fed: the window's
+    median (`stage_slowdowns`), the last iteration's, the mean of the last two and the
+    median of the last three measured."""
+    per_iteration = np.exp(series[:, config.layers : config.layers + config.stages])
+    return np.stack(
+        [
+            np.asarray(stage_slowdowns(obs)),
+            per_iteration[-1],
+            per_iteration[-2:].mean(axis=0),
+            np.median(per_iteration[-3:], axis=0),
+        ]
+    ).astype(np.float32)
+
+
+def _simulate(
+    obs: Observation, wanted: Sequence[tuple[int, ...]], slow: Array
+) -> dict[tuple[int, ...], npt.NDArray[np.float64]]:
+    """Each partition's simulated seconds per iteration under each row of ``slow``."""
+    costs = layer_costs(obs)
+    stages = slow.shape[1]
+    bws = np.tile(np.asarray(link_bandwidths(obs, stages), dtype=np.float64), (len(slow), 1))
+    return {b: iteration_times(costs, b, slow, bws) for b in dict.fromkeys(wanted)}
+
+
 def _candidate(
     obs: Observation,
     bounds: Sequence[int],
-    slow: npt.ArrayLike,
-    latest: npt.ArrayLike,
-    times: tuple[float, float, float],
+    slow: Array,
+    times: npt.NDArray[np.float64],
+    now: float,
+    ref: float,
 ) -> Array:
     layers, stages = obs.num_layers, len(bounds) - 1
     work = np.add(obs.layer_forward_s, obs.layer_backward_s)
@@ -223,13 +271,13 @@ def _candidate(
     for s in range(stages):
         onehot[bounds[s] : bounds[s + 1], s] = 1.0
         share[s] = work[bounds[s] : bounds[s + 1]].sum() / work.sum() * stages
-    t, now, ref = times
     return np.concatenate(
         [
             onehot.ravel(),
-            share * np.asarray(slow),
-            share * np.asarray(latest),
-            [math.log(t / ref), math.log(t / now)],
+            share * slow[0],
+            share * slow[1],
+            [math.log(times[0] / ref), math.log(times[0] / now)],
+            np.log(times[1:] / times[0]),
         ]
     ).astype(np.float32)
 
@@ -238,38 +286,47 @@ def encode(
     obs: Observation, candidates: Sequence[Sequence[int]], config: PredictorConfig
 ) -> Encoded:
     """``obs`` and ``candidates`` (each a partition into the stages in force) as the
-    network's inputs, with the analytical model's seconds for each candidate."""
+    network's inputs, with the simulator's seconds for each candidate under each of
+    `SCENARIOS`."""
     _check(obs, config)
     for bounds in candidates:
         if len(bounds) != config.stages + 1 or bounds[0] != 0 or bounds[-1] != config.layers:
             raise PlanError(f"predictor: {list(bounds)} is not a partition of this pipeline")
     ref = _ref_s(obs)
-    slow = stage_slowdowns(obs)
-    wanted = [tuple(int(b) for b in c) for c in candidates]
-    scored = dict(score(obs, [*wanted, tuple(obs.bounds)], slow))
-    now = scored[tuple(obs.bounds)]
-    analytical = np.array([scored[c] for c in wanted], dtype=np.float64)
     series = _series(obs, config, ref)
-    latest = np.exp(series[-1, config.layers : config.layers + config.stages])
-    cand = [_candidate(obs, c, slow, latest, (scored[c], now, ref)) for c in wanted]
+    slow = _scenarios(obs, series, config)
+    wanted = [tuple(int(b) for b in c) for c in candidates]
+    times = _simulate(obs, [*wanted, tuple(obs.bounds)], slow)
+    now = float(times[tuple(obs.bounds)][0])
+    cand = [_candidate(obs, c, slow, times[c], now, ref) for c in wanted]
+    empty = np.zeros((0, len(SCENARIOS)))
     return Encoded(
         series=series,
         static=_static(obs, config, ref),
         candidates=np.stack(cand) if cand else np.zeros((0, config.candidate_size), np.float32),
-        analytical_s=analytical,
+        scenario_s=np.stack([times[c] for c in wanted]) if wanted else empty,
         ref_s=ref,
     )
 
 
-def to_seconds(
-    output: npt.NDArray[np.float64],
-    analytical_s: npt.NDArray[np.float64],
-    ref_s: float | npt.NDArray[np.float64],
-    target: str,
+def base_seconds(
+    scenario_s: npt.NDArray[np.float64], ref_s: float | npt.NDArray[np.float64], target: str
 ) -> npt.NDArray[np.float64]:
-    """The network's outputs as seconds per iteration."""
-    base = analytical_s if target == "ratio" else np.broadcast_to(ref_s, analytical_s.shape)
-    return np.asarray(base * np.exp(output), dtype=np.float64)
+    """Per candidate the seconds the target is relative to: the simulator on the last
+    iteration's slowdowns (``latest-ratio``), on the window's median (``ratio``), or
+    the quiet pipeline's ``ref`` (``log-time``)."""
+    if target == "latest-ratio":
+        return np.asarray(scenario_s[:, 1], dtype=np.float64)
+    if target == "ratio":
+        return np.asarray(scenario_s[:, 0], dtype=np.float64)
+    return np.broadcast_to(np.asarray(ref_s, dtype=np.float64), scenario_s.shape[:1]).copy()
+
+
+def to_seconds(
+    output: npt.NDArray[np.float64], base_s: npt.NDArray[np.float64]
+) -> npt.NDArray[np.float64]:
+    """The network's outputs (``log(seconds / base)``) as seconds per iteration."""
+    return np.asarray(base_s * np.exp(output), dtype=np.float64)
 
 
 class Predictor:
@@ -291,7 +348,7 @@ class Predictor:
                 torch.from_numpy(enc.static).expand(n, -1),
                 torch.from_numpy(enc.candidates),
             )
-        seconds = to_seconds(out.double().numpy(), enc.analytical_s, enc.ref_s, self.config.target)
+        seconds = to_seconds(out.double().numpy(), enc.base_s(self.config.target))
         return [float(v) for v in seconds]
 
 

@@ -1,6 +1,8 @@
 """The LSTM speed predictor (`adaptipe.controllers.predictor`): its encoding's shapes,
 an artifact that round-trips and refuses tampering or a config it does not fit, seeded
-training that reproduces itself, and a trained model that beats a constant."""
+training that reproduces itself, a trained model that beats a constant, the shipped
+artifact's pinned metadata, the state oracle (`adaptipe.envs.predictor_bound`) and the
+evaluation on recorded runs (`adaptipe.envs.predictor_eval`, ``tests/recorded/``)."""
 
 from __future__ import annotations
 
@@ -8,22 +10,34 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.predictor import (
+    SCENARIOS,
     PredictorConfig,
     encode,
     load_predictor,
 )
 from adaptipe.envs.episode import Episode, EpisodeSettings
 from adaptipe.envs.generators import generate
+from adaptipe.envs.predictor_bound import oracle_mape, process_of
+from adaptipe.envs.predictor_eval import compact_run, recorded_report, recorded_samples
 from adaptipe.envs.predictor_train import Dataset, rollout, train_predictor
 from adaptipe.errors import PlanError
 
-TINY = {"episodes": 1, "iterations": 60, "epochs": 4, "families": ("poisson-heavy",)}
+RECORDED = Path(__file__).parent / "recorded"
+
+TINY: dict[str, Any] = {
+    "episodes": 1,
+    "iterations": 60,
+    "epochs": 4,
+    "families": ("poisson-heavy",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +46,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_predictor(seed=3, out=tmp_path_factory.mktemp("p") / "a", **TINY)
 
 
-def _observation():  # type: ignore[no-untyped-def]
+def _observation() -> Observation:
     settings = EpisodeSettings()
     episode = Episode(generate("poisson-heavy", stages=4, iterations=40, seed=5), settings, seed=1)
     episode.run()
@@ -48,6 +62,9 @@ def test_encoding_has_the_configs_shapes() -> None:
     assert enc.static.shape == (config.static_size,)
     assert enc.candidates.shape == (3, config.candidate_size)
     assert enc.analytical_s.shape == (3,) and np.all(enc.analytical_s > 0)
+    assert enc.scenario_s.shape == (3, len(SCENARIOS)) and np.all(enc.latest_s > 0)
+    # the analytical model is the one `score` gives, and the base is the latest's
+    assert enc.base_s("latest-ratio").tolist() == enc.latest_s.tolist()
     assert np.isfinite(enc.series).all() and np.isfinite(enc.candidates).all()
     # the one-hot says which stage holds each layer
     onehot = enc.candidates[1, : 16 * 4].reshape(16, 4)
@@ -108,7 +125,7 @@ def test_the_trained_model_beats_a_constant(trained: Path) -> None:
     series, static, cand, decision = data.tensors()
     with torch.inference_mode():
         out = predictor.network(series[decision], static[decision], cand).double().numpy()
-    pred = np.asarray(data.analytical_s) * np.exp(out)
+    pred = data.base_s(predictor.config.target) * np.exp(out)
     constant = np.full_like(true, np.median(true))  # the best constant, in hindsight
     assert np.mean(np.abs(pred / true - 1)) < np.mean(np.abs(constant / true - 1))
 
@@ -125,3 +142,71 @@ def test_seeded_training_reproduces_the_shipped_artifact(tmp_path: Path) -> None
             m["training"].pop(key)
     assert a["training"] == b["training"] and a["metrics"] == b["metrics"]
     assert a["files"] == b["files"]
+
+
+def test_the_shipped_artifact_is_the_documented_one() -> None:
+    predictor = load_predictor()
+    config, training = predictor.config, predictor.meta["training"]
+    assert (config.layers, config.stages, config.window, config.horizon) == (16, 4, 8, 10)
+    assert (config.target, config.device, config.hidden, config.fc) == (
+        "latest-ratio",
+        False,
+        32,
+        (64, 32),
+    )
+    assert (training["seed"], training["epochs"], training["sizes"]["episodes"]) == (0, 15, 50)
+    assert training["seconds"] < 600  # the target: under 10 minutes on this CPU
+    metrics = predictor.meta["metrics"]["train_mape"]
+    assert metrics["predictor"] < metrics["latest"] < metrics["analytical"]
+
+
+def test_the_state_oracle_knows_job_free_families_and_hedges_job_arrivals() -> None:
+    assert process_of("bandwidth-steps") is None and process_of("preemption") is None
+    heavy = process_of("poisson-heavy")
+    assert heavy is not None and heavy.rate == pytest.approx(3 / 60)
+    mix = process_of("mixture")
+    assert mix is not None and mix.family == "poisson-light"
+    settings = EpisodeSettings()
+    traces = {}
+    data = Dataset()
+    for family in ("preemption", "poisson-heavy"):
+        trace = generate(family, stages=4, iterations=60, seed=11)
+        traces[family, 11] = trace
+        rollout(trace, settings, PredictorConfig(), data, seed=1, switch_p=0.0)
+    kwargs: dict[str, Any] = {
+        "family": data.family,
+        "trace_seed": data.trace_seed,
+        "first": data.first,
+    }
+    kwargs |= {"bounds": data.bounds, "true_s": data.true_s}
+    costs = settings.layer_costs()
+    bound = oracle_mape(traces, costs, k=10, samples=64, **kwargs)
+    persistence = np.mean(np.abs(np.asarray(data.persist_s) / np.asarray(data.true_s) - 1))
+    assert 0 <= bound <= 1.5 * persistence + 1e-3
+    quiet = [n for n, f in enumerate(data.family) if f == "preemption"]
+    only: dict[str, Any] = {k: [v[n] for n in quiet] for k, v in kwargs.items()}
+    assert oracle_mape(traces, costs, k=10, **only) == 0.0
+
+
+def test_a_recorded_run_gives_one_sample_per_iteration_with_its_noise_floor() -> None:
+    samples, meta = recorded_samples(RECORDED / "quiet")
+    assert meta["iterations"] == 110 and meta["baseline"] == [1, 8] and meta["injections"] == 0
+    assert len(samples) == 110 - 10 - 9  # from iteration 10 to the last full K
+    assert all(s.obs.bounds == (0, 4, 8, 12, 16) and len(s.obs.iterations) == 8 for s in samples)
+    floor = np.mean([abs(s.previous_s / s.true_s - 1) for s in samples])
+    assert 0.01 < floor < 0.3  # a shared 2-core machine: far from a quiet one
+
+
+def test_a_compacted_run_reads_as_the_run(tmp_path: Path) -> None:
+    again = compact_run(RECORDED / "steps", tmp_path / "steps")
+    (a, meta_a), (b, meta_b) = recorded_samples(RECORDED / "steps"), recorded_samples(again)
+    assert meta_a == meta_b and meta_a["injections"] == 3
+    assert [s.true_s for s in a] == pytest.approx([s.true_s for s in b], rel=1e-3)
+
+
+def test_the_recorded_report_scores_the_predictor_beside_the_baselines(trained: Path) -> None:
+    report = recorded_report(load_predictor(trained), [RECORDED / "quiet"])
+    row = report["quiet"]
+    assert row["samples"] == 91
+    assert {"predictor", "analytical", "latest", "previous"} <= set(row)
+    assert all(0 < row[k] < 1 for k in ("predictor", "analytical", "latest", "previous"))
