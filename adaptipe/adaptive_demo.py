@@ -229,7 +229,7 @@ def adaptive_demo(
         demo_config(out / "adaptive", controller=controller, **kw),
         scenario,
         console,
-        f"2/2 the same, with [adapt] controller = {controller!r} and live migration",
+        f"2/2 the same, with \\[adapt] controller = {controller!r} and live migration",
     )
     control = _lines(adaptive_dir / "control.jsonl")
     moves = [

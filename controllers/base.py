@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from adaptipe.controllers.observation import Observation
 from adaptipe.errors import PlanError
 
-__all__ = ["METHODS", "Controller", "Decision", "Keep"]
+__all__ = ["METHODS", "Controller", "Decision", "Keep", "Stateful"]
 
 METHODS = ("live", "restart")
 """How a move is made: ``live`` migrates the moving layers while training runs (the
@@ -58,6 +58,17 @@ class Controller(Protocol):
     name: str
 
     def decide(self, observation: Observation) -> Decision: ...
+
+
+class Stateful(Protocol):
+    """A controller whose decisions depend on earlier ones (patience counters, the last
+    move, what it planned for). Its state is plain JSON, saved with the run's
+    checkpoints by the manager (`adaptipe.runtime.adapt_loop`), so a resumed run goes on
+    deciding as the interrupted one would have."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Keep:

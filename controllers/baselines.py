@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from adaptipe.controllers.base import Controller, Decision, Keep
 from adaptipe.controllers.candidates import BLOCKS, FAMILIES, SCREEN, score, top_k
@@ -153,6 +154,13 @@ class Straggler:
         self.settings = settings
         self._planned: tuple[float, ...] | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"planned": list(self._planned) if self._planned is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        planned = state.get("planned")
+        self._planned = tuple(float(x) for x in planned) if planned is not None else None
+
     def decide(self, observation: Observation) -> Decision:
         slow = stage_slowdowns(observation)
         if self._planned is None or len(self._planned) != len(slow):
@@ -183,6 +191,13 @@ class Stale:
         self.settings = settings
         self._previous: tuple[float, ...] | None = None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"previous": list(self._previous) if self._previous is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        previous = state.get("previous")
+        self._previous = tuple(float(x) for x in previous) if previous is not None else None
+
     def decide(self, observation: Observation) -> Decision:
         previous, self._previous = self._previous, stage_slowdowns(observation)
         if previous is None or len(previous) != observation.num_stages:
@@ -203,6 +218,13 @@ class RestartAtEpoch:
     def __init__(self, settings: RestartAtEpochSettings = RestartAtEpochSettings()) -> None:
         self.settings = settings
         self._epoch: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch = state.get("epoch")
+        self._epoch = int(epoch) if epoch is not None else None
 
     def decide(self, observation: Observation) -> Decision:
         epoch = observation.iteration // self.settings.epoch_iterations

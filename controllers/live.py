@@ -89,6 +89,16 @@ class LiveDecider:
         self.window, self.workers, self.sizes = window, workers, sizes
         self.microbatches = microbatches
 
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's state (`Stateful`), {} for one that keeps none."""
+        get = getattr(self.controller, "state_dict", None)
+        return dict(get()) if callable(get) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load = getattr(self.controller, "load_state_dict", None)
+        if callable(load) and state:
+            load(state)
+
     def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
         if self.profile is None:
             seen = _complete(records, partition, self.workers)

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from adaptipe.controllers.base import Decision
 from adaptipe.controllers.observation import Observation
@@ -121,6 +122,23 @@ class Threshold:
             reason=f"{seen}: {ratio:.2f}x for {s.patience} checks; gain {gain * 1e3:.1f} ms "
             f"per iteration against a {stall:.3f} s move",
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checks over the margin, the last move, the moves of the last hour (as ages, so
+        a resume in another process counts them from its own clock)."""
+        now = self._clock()
+        return {
+            "over": self._over,
+            "last_move": self._last_move,
+            "move_ages_s": [now - t for t in self._moves],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        now = self._clock()
+        self._over = int(state.get("over", 0))
+        last = state.get("last_move")
+        self._last_move = int(last) if last is not None else None
+        self._moves = deque(now - float(age) for age in state.get("move_ages_s", []))
 
     def _stall(self, obs: Observation, bounds: tuple[int, ...]) -> float:
         moving = moved_layers(obs.bounds, bounds)

@@ -37,6 +37,13 @@ finishes first). Each change is an event::
     {"event": "adapt_control", "iteration", "seq", "paused", "controller", "previous",
      ["error" (the controller could not be built: the previous one stays)]}
 
+The loop keeps its state with the run's checkpoints: when the iterations up to a
+checkpoint (every ``[train].checkpoint_every``) have merged, it writes
+``control/adapt-state/iter-N.json`` (the controller in charge, paused, the last move,
+and the controller's own `state_dict` where it keeps one). A resumed run restores the
+newest such file at or before its checkpoint and logs an ``adapt_restored`` event, so
+patience counters, the cooldown and the hourly cap go on as before the interruption.
+
 The loop knows controllers only through `Decider`: ``adaptipe.controllers`` sits above
 the runtime in the import order (docs/architecture.md), so the caller passes the
 factory in (`adaptipe.controllers.live.decider` does observe + decide).
@@ -55,6 +62,7 @@ from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record, StageStats
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.adapt_requests import ADAPT_REQUEST, AdaptOverride, read_override
+from adaptipe.runtime.adapt_state import load_state, save_state
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
@@ -180,6 +188,7 @@ class AdaptLoop:
         commit: commits layer bounds, returns the version (default: `repartition`).
         rebuild: builds the controller a name stands for (None for "none"); without it
             ``adaptipe adapt --controller`` is refused here with an error event.
+        checkpoint_every: the run's ``[train].checkpoint_every`` (0: no state saved).
     """
 
     def __init__(
@@ -193,8 +202,10 @@ class AdaptLoop:
         commit: Callable[[tuple[int, ...]], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rebuild: Callable[[str], Decider | None] | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.run, self.settings, self.decider = run, settings, decider
+        self._checkpoint_every = checkpoint_every
         self._rebuild = rebuild
         self.paused = False
         self._override_seq = 0
@@ -202,6 +213,7 @@ class AdaptLoop:
         self._asked_by = self.name  # the controller of the call in flight
         self._building: _Build | None = None  # adaptipe adapt --controller
         self._building_asked: AdaptOverride | None = None
+        self._restored = self._restore(start) if start > 0 else []
         self._records, self._clock, self._start = records, clock, start
         self._commit = commit if commit is not None else self._repartition
         self._latest = start - 1  # the last merged iteration
@@ -227,7 +239,12 @@ class AdaptLoop:
         for rec in merged:
             self._times[int(rec["iteration"])] = float(rec["iteration_s"])
             self._latest = max(self._latest, int(rec["iteration"]))
-        events = self._overridden() + self._built() + self._collect()
+        events, self._restored = self._restored, []
+        if self._checkpoint_every > 0:
+            for rec in merged:
+                if (int(rec["iteration"]) + 1) % self._checkpoint_every == 0:
+                    self._save(int(rec["iteration"]) + 1)
+        events += self._overridden() + self._built() + self._collect()
         if merged and self._pending:
             events += self._outcomes()
         if merged:  # keep what an outcome may still need
@@ -237,6 +254,35 @@ class AdaptLoop:
         if self._call is None and self._latest >= self._next_check and self.active:
             self._maybe_start()
         return events
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, iteration: int) -> None:
+        save_state(
+            self.run.root,
+            iteration,
+            controller=self.name,
+            paused=self.paused,
+            last_move=self._last_move,
+            decider=self.decider,
+        )
+
+    def _restore(self, start: int) -> list[dict[str, Any]]:
+        """Take the state saved with the checkpoint this launch resumes from; the event
+        saying so, or none."""
+        found = load_state(self.run.root, start)
+        if found is None:
+            return []
+        path, state = found
+        event: dict[str, Any] = {"event": "adapt_restored", "iteration": start, "from": str(path)}
+        try:
+            last = state.get("last_move")
+            self._last_move = int(last) if last is not None else None
+            load = getattr(self.decider, "load_state_dict", None)
+            if state.get("controller") == self.name and callable(load):
+                load(dict(state.get("decider_state") or {}))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return [event | {"error": f"not restored ({type(exc).__name__}: {exc})"}]
+        return [event | {"controller": self.name, "last_move": self._last_move}]
 
     # ------------------------------------------------------------------ live changes
     def _overridden(self) -> list[dict[str, Any]]:

@@ -452,7 +452,15 @@ def _adapt_loop(
     """The decision loop; with no controller configured it idles until ``adaptipe adapt``
     names one."""
     rebuild = functools.partial(_rebuild, factory, run, cfg)
-    return AdaptLoop(run, cfg.adapt, chosen, collector.records, start=start, rebuild=rebuild)
+    return AdaptLoop(
+        run,
+        cfg.adapt,
+        chosen,
+        collector.records,
+        start=start,
+        rebuild=rebuild,
+        checkpoint_every=cfg.train.checkpoint_every,
+    )
 
 
 def _rebuild(factory: DeciderFactory, run: RunDir, cfg: RunConfig, name: str) -> Decider | None:
