@@ -205,3 +205,31 @@ def test_a_plan_committed_mid_window_comes_in_at_the_next_iteration(
     ]
     its = [r["iteration"] for r in records if "loss" in r and r.get("event") is None]
     assert sorted(set(its)) == list(range(iterations))
+
+
+def test_a_window_of_two_rounds_cut_before_its_second_leaves_no_receive_posted(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """Round 1's receives used to be posted with round 0's when the window began; a cut
+    before round 1 then left them posted and the next iteration refused to start."""
+    live = tmp_path / "live"
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 32},
+        model={"config": {"hidden": 192, "num_samples": 4096}},
+        train={"iterations": 40, "checkpoint_every": 0, "run_dir": str(live)},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": {"lr": [0.002, 0.005]}, "solver": "1f1b", "window": 2}
+    cfg = RunConfig.from_dict(data, source="test.toml")
+    asked: list[int] = []
+
+    def on_iteration(record: dict[str, Any], total: int) -> None:
+        # four moves back and forth: each lands inside a window of two rounds or not,
+        # and one inside is enough to show the bug
+        if len(asked) < 4 and record["iteration"] >= 3 + 8 * len(asked):
+            bounds = [0, 4, 6] if len(asked) % 2 == 0 else [0, 3, 6]
+            asked.append(repartition(live, bounds).version)
+
+    train(cfg, on_iteration=on_iteration)
+    migrations = _stage_events(live, "migration")
+    assert [[m["ok"] for m in s] for s in migrations] == [[True] * 4] * 2

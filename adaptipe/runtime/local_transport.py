@@ -50,9 +50,13 @@ class LocalTransport:
         self.wait_s = 0.0
 
     def start_iteration(
-        self, iteration: int, receives: list[tuple[TransferKey, int, TensorSpec]]
+        self,
+        iteration: int,
+        receives: list[tuple[TransferKey, int, TensorSpec]],
+        *,
+        hold: int | None = None,
     ) -> None:
-        self._epoch = iteration
+        self._epoch = iteration  # nothing is posted ahead: ``hold`` has nothing to hold
 
     def hold_posts(self, limit: int | None) -> None:
         pass  # nothing is posted ahead: a mailbox holds what was sent

@@ -287,8 +287,10 @@ class StageExecutor:
         """
         t_start = time.perf_counter()
         transport = self.transport
-        transport.start_iteration(iteration, self._receives)
         rounds = self._window_rounds(gate)
+        # a window's later rounds may be cut: post only round 0's receives to begin with
+        hold = rounds.first_posts if rounds is not None else None
+        transport.start_iteration(iteration, self._receives, hold=hold)
         if self.memory is not None:
             self.memory.begin_iteration()
         # Asynchronous windows drain completely, so version 0 of this window's
@@ -345,9 +347,7 @@ class StageExecutor:
             for pos, ins in enumerate(self.program)
             if isinstance(ins, RecvActivation | RecvGradient)
         ]
-        rounds = WindowRounds(self._rounds[1], receives, gate, self.transport)
-        rounds.start()
-        return rounds
+        return WindowRounds(self._rounds[1], receives, gate, self.transport)
 
     def _forward(self, ins: Forward, it: _Iteration) -> float:
         j, m, c = ins.job, ins.microbatch, ins.chunk

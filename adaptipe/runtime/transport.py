@@ -116,7 +116,11 @@ class Transport(Protocol):
     `adaptipe.runtime.local_transport.LocalTransport` between threads of one)."""
 
     def start_iteration(
-        self, iteration: int, receives: list[tuple[TransferKey, int, TensorSpec]]
+        self,
+        iteration: int,
+        receives: list[tuple[TransferKey, int, TensorSpec]],
+        *,
+        hold: int | None = None,
     ) -> None: ...
 
     def hold_posts(self, limit: int | None) -> None: ...
@@ -199,9 +203,16 @@ class P2PTransport:
         return (self._epoch % 4) * (self._j * self._m * self._g * 2) + slot
 
     def start_iteration(
-        self, epoch: int, receives: list[tuple[TransferKey, int, TensorSpec]]
+        self,
+        epoch: int,
+        receives: list[tuple[TransferKey, int, TensorSpec]],
+        *,
+        hold: int | None = None,
     ) -> None:
-        """Begin an iteration whose receives, in execution order, are ``receives``."""
+        """Begin an iteration whose receives, in execution order, are ``receives``; with
+        ``hold``, post only the first ``hold`` of them until `hold_posts` says more (a
+        job-array window's first round: a later round's receive posted now would stay
+        posted if the window were cut before that round)."""
         if self._posted:
             raise RuntimeError(
                 f"stage {self.rank}: {len(self._posted)} receives still posted from the last iteration"
@@ -209,7 +220,7 @@ class P2PTransport:
         self._epoch = epoch
         self._plan = receives
         self._next = 0
-        self._limit = len(receives)
+        self._limit = len(receives) if hold is None else min(hold, len(receives))
         self._post_ahead()
 
     def hold_posts(self, limit: int | None) -> None:

@@ -97,9 +97,16 @@ class WindowRounds:
             )
         self.cut: int | None = None  # the first round that did not run
 
+    @property
+    def first_posts(self) -> int:
+        """How many of the window's receives may be posted before round 1 is decided:
+        round 0's (`Transport.start_iteration`'s ``hold``)."""
+        return self._posts.get(0, 0)
+
     def start(self) -> None:
-        """Before the first instruction: only round 0's receives may be posted."""
-        self._transport.hold_posts(self._posts.get(0, 0))
+        """Before the first instruction: only round 0's receives may be posted (for a
+        transport whose iteration has begun without ``hold``)."""
+        self._transport.hold_posts(self.first_posts)
 
     def runs(self, pos: int) -> bool:
         r = self._at[pos]

@@ -1,0 +1,77 @@
+"""Numerics under adaptation: a job-array whose layers a controller moves while it
+trains ends with every job bitwise equal to the same run with those moves scripted
+(``[[adapt.repartition]]``), and every job as trained alone."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from adaptipe.controllers.live import decider as live_decider
+from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.launch import train
+from tests.test_jobarray import _alone, _job_params
+
+GRID = {"lr": [0.002, 0.005]}
+
+
+def _array(make_config: Callable[..., RunConfig], run_dir: Path, adapt: dict) -> RunConfig:
+    cfg = make_config(
+        model={"config": {"hidden": 192, "num_samples": 4096}},
+        data={"microbatches": 1, "batch_size": 32},
+        train={"iterations": 40, "run_dir": str(run_dir)},
+        adapt=adapt,
+    )
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": GRID, "window": 2}
+    return RunConfig.from_dict(data, source="test.toml")
+
+
+def test_controller_moves_in_a_job_array_equal_the_same_moves_scripted_and_each_job_alone(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    scenario = tmp_path / "slow.toml"
+    scenario.write_text(
+        '[[inject]]\nkind = "slowdown"\nat_iteration = 8\nstage = 1\nfactor = 4.0\n'
+    )
+    adaptive = _array(
+        make_config,
+        tmp_path / "adaptive",
+        {"controller": "threshold", "check_every": 2, "window": 2, "patience": 1, "cooldown": 6},
+    )
+    train(adaptive, inject=scenario, decider=live_decider)
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "adaptive" / "control.jsonl").read_text().splitlines()
+    ]
+    moves = [(e["iteration"], e["bounds"]) for e in events if e["event"] == "migration"]
+    assert moves and all(e["ok"] for e in events if e["event"] == "migration"), events
+
+    scripted = _array(
+        make_config,
+        tmp_path / "scripted",
+        {"repartition": [{"iteration": it, "bounds": bounds} for it, bounds in moves]},
+    )
+    train(scripted)
+    done = [
+        json.loads(line)
+        for line in (tmp_path / "scripted" / "control.jsonl").read_text().splitlines()
+    ]
+    assert [(e["iteration"], e["bounds"]) for e in done if e["event"] == "migration"] == moves
+
+    for job in adaptive.jobs:
+        got = _job_params(str(tmp_path / "adaptive"), job.index)
+        same = _job_params(str(tmp_path / "scripted"), job.index)
+        assert got.keys() == same.keys() and got
+        assert all(torch.isfinite(t).all() for t in got.values()), job.name
+        for name in got:
+            assert torch.equal(got[name], same[name]), f"{job.name} {name}"
+        want = _alone(adaptive, job)
+        assert want.keys() == got.keys()
+        for name in want:
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
+            )
