@@ -28,7 +28,7 @@ from typing import Any
 
 from adaptipe.errors import PlanError
 
-__all__ = ["SHIPPED", "Artifact", "load_artifact", "save_artifact", "shipped"]
+__all__ = ["SHIPPED", "Artifact", "describe", "load_artifact", "save_artifact", "shipped"]
 
 ARTIFACT_KIND = "adaptipe-artifact"
 ARTIFACT_VERSION = 1
@@ -144,3 +144,17 @@ def load_artifact(root: str | Path, *, model: str, format: int) -> Artifact:
 def shipped(model: str) -> Path:
     """The folder of the pretrained ``model`` shipped with adaptipe."""
     return SHIPPED / model
+
+
+def describe(root: str | Path) -> dict[str, Any]:
+    """What names an artifact in a run directory: its model, folder, creation time and
+    the sha256 of its manifest (which holds every file's sha256)."""
+    where = Path(root)
+    blob = (where / MANIFEST_NAME).read_bytes()
+    manifest = json.loads(blob)
+    return {
+        "model": manifest.get("model"),
+        "path": str(where),
+        "created": manifest.get("created"),
+        "sha256": _sha256(blob),
+    }

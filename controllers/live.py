@@ -89,6 +89,14 @@ class LiveDecider:
         self.window, self.workers, self.sizes = window, workers, sizes
         self.microbatches = microbatches
 
+    def describe(self) -> dict[str, Any]:
+        """The controller's name and the shipped artifacts it decides with (model,
+        folder, sha256 of the manifest): what the run directory records."""
+        from adaptipe.controllers.artifacts import describe, shipped
+
+        models = ("switch",) if self.name == "ppo" else ()
+        return {"controller": self.name, "artifacts": [describe(shipped(m)) for m in models]}
+
     def state_dict(self) -> dict[str, Any]:
         """The controller's state (`Stateful`), {} for one that keeps none."""
         get = getattr(self.controller, "state_dict", None)

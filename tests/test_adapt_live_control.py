@@ -111,6 +111,9 @@ def test_another_controller_takes_over_and_one_that_cannot_be_built_changes_noth
     )
     decisions = [e for e in events if e["event"] == "decision"]
     assert decisions and all(e["controller"] == "threshold" for e in decisions)
+    named = json.loads((run.root / "control" / "controller.json").read_text())
+    assert named["controller"] == "threshold" and named["artifacts"] == []
+    assert [h["controller"] for h in named["history"]] == ["threshold"]
     # a controller the loop cannot build: logged, and the one in charge stays
     (run.root / "control" / "adapt.json").write_text(
         json.dumps({"paused": False, "controller": "stale", "seq": 9})
@@ -161,3 +164,18 @@ def test_a_controller_named_mid_run_moves_layers_off_a_slowed_stage(
     assert len(moves) == 1 and moves[0]["decision"]["bounds"][1] > 3, events
     assert moves[0]["iteration"] >= max(change["iteration"], 10)
     assert [m["ok"] for m in events if m["event"] == "migration"] == [True]
+
+
+def test_a_learned_controller_names_its_artifacts_by_hash(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    import hashlib
+
+    from adaptipe.controllers.artifacts import shipped
+
+    run, _ = prepare(make_config(pipeline={"stages": 4}, adapt={"controller": "ppo"}))
+    described = live_decider(run, run.read_config()).describe()
+    (artifact,) = described["artifacts"]
+    manifest = (shipped("switch") / "artifact.json").read_bytes()
+    assert described["controller"] == "ppo" and artifact["model"] == "switch"
+    assert artifact["sha256"] == hashlib.sha256(manifest).hexdigest()

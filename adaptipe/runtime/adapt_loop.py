@@ -7,14 +7,15 @@ iterations merged since the last. Every ``[adapt].check_every`` iterations, once
 is in flight (a version committed and not yet adopted, or adopted and not yet run by
 every stage) and ``[adapt].cooldown`` iterations have passed since the last move it
 committed (for every controller: one without hysteresis of its own would otherwise
-move back and forth between two partitions that measure alike), it hands the telemetry records since the last plan change to a `Decider`
-on a thread of its own. The poll never waits for it: a call that raises is logged as a
+move back and forth between two partitions that measure alike), it hands the telemetry
+records since the last plan change to a `Decider` on a thread of its own. The poll never waits for it: a call that raises is logged as a
 decision with an ``error``; one that runs past ``[adapt].decide_timeout_s`` is logged as
 timed out, its answer (when it comes) is dropped, and no new call starts until it has
 returned. A move (not with ``dry_run``) is committed through `repartition` on the
 decision's own thread, the moment the controller answers (waiting for the next poll
 would cost the workers an iteration or two), so the workers take it on at their next
-boundary with ``[adapt].method``; the poll logs it.
+boundary with ``[adapt].method``; the poll logs it. The controller in charge, with
+the artifacts it decides with, is named in ``control/controller.json``.
 
 Events (one JSON line each in ``control.jsonl``)::
 
@@ -61,8 +62,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record, StageStats
 from adaptipe.plan.partition import Partition
-from adaptipe.runtime.adapt_requests import ADAPT_REQUEST, AdaptOverride, read_override
-from adaptipe.runtime.adapt_state import load_state, save_state
+from adaptipe.runtime.adapt_requests import (
+    ADAPT_REQUEST,
+    AdaptOverride,
+    ControllerBuild,
+    read_override,
+)
+from adaptipe.runtime.adapt_state import load_state, record_controller, save_state
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
@@ -143,28 +149,6 @@ class _Call:
         return (self.ended if self.ended is not None else self.clock()) - self.started
 
 
-class _Build:
-    """A controller built on a daemon thread (``adaptipe adapt --controller``)."""
-
-    def __init__(self, fn: Callable[[], Decider | None]) -> None:
-        self.result: Decider | None = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(fn,), name="adaptipe-build", daemon=True).start()
-
-    def _run(self, fn: Callable[[], Decider | None]) -> None:
-        try:
-            self.result = fn()
-        except Exception as exc:  # logged by the loop; the previous controller stays
-            self.error = exc
-        finally:
-            self._done.set()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-
 @dataclass(slots=True)
 class _Pending:
     """A committed move whose realised gain is still to be measured."""
@@ -211,9 +195,11 @@ class AdaptLoop:
         self._override_seq = 0
         self._override_stamp: tuple[int, int] | None = None
         self._asked_by = self.name  # the controller of the call in flight
-        self._building: _Build | None = None  # adaptipe adapt --controller
+        self._building: ControllerBuild | None = None  # adaptipe adapt --controller
         self._building_asked: AdaptOverride | None = None
         self._restored = self._restore(start) if start > 0 else []
+        if decider is not None:
+            record_controller(run.root, decider, iteration=start)
         self._records, self._clock, self._start = records, clock, start
         self._commit = commit if commit is not None else self._repartition
         self._latest = start - 1  # the last merged iteration
@@ -318,7 +304,7 @@ class AdaptLoop:
         # Built on a thread: loading a controller (its imports, a learned model) can take
         # seconds, and the poll must not stop merging iterations meanwhile.
         rebuild = self._rebuild
-        self._building = _Build(lambda: rebuild(wanted))
+        self._building = ControllerBuild(lambda: rebuild(wanted))
         self._building_asked = asked
         return []
 
@@ -332,6 +318,7 @@ class AdaptLoop:
         if build.error is not None:  # e.g. a learned policy for another stage count
             return [self._control_event(asked, previous, error=_describe(build.error))]
         self.decider = build.result
+        record_controller(self.run.root, self.decider, iteration=self._latest)
         self._next_check = min(self._next_check, self._latest + 1)
         return [self._control_event(asked, previous)]
 

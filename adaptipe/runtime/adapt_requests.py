@@ -13,7 +13,9 @@ so the command answers at once.
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from adaptipe.errors import PlanError
 from adaptipe.runtime.adapt_config import CONTROLLERS
 from adaptipe.serial import atomic_write_text
 
-__all__ = ["ADAPT_REQUEST", "AdaptOverride", "read_override", "request_adapt"]
+__all__ = ["ADAPT_REQUEST", "AdaptOverride", "ControllerBuild", "read_override", "request_adapt"]
 
 ADAPT_REQUEST = Path("control") / "adapt.json"
 
@@ -107,3 +109,25 @@ def request_adapt(
     (root / ADAPT_REQUEST).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(root / ADAPT_REQUEST, json.dumps(new.to_json()) + "\n")
     return new
+
+
+class ControllerBuild:
+    """A controller built on a daemon thread (``adaptipe adapt --controller``)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name="adaptipe-build", daemon=True).start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except Exception as exc:  # logged by the loop; the previous controller stays
+            self.error = exc
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()

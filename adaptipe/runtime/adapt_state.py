@@ -14,9 +14,26 @@ from typing import Any
 
 from adaptipe.serial import atomic_write_text
 
-__all__ = ["STATE_DIR", "load_state", "save_state"]
+__all__ = ["CONTROLLER_FILE", "STATE_DIR", "load_state", "record_controller", "save_state"]
 
 STATE_DIR = Path("control") / "adapt-state"
+CONTROLLER_FILE = Path("control") / "controller.json"
+
+
+def record_controller(root: Path, decider: object, *, iteration: int) -> None:
+    """Name the controller in charge, and the artifacts it decides with, in
+    ``control/controller.json`` (each change appended to its ``history``)."""
+    describe = getattr(decider, "describe", None)
+    name = getattr(decider, "name", "none")
+    now = describe() if callable(describe) else {"controller": name, "artifacts": []}
+    path = root / CONTROLLER_FILE
+    try:
+        history = json.loads(path.read_text()).get("history", [])
+    except (OSError, ValueError, AttributeError):
+        history = []
+    entry = {"iteration": iteration, **now}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({**entry, "history": [*history, entry]}, indent=1) + "\n")
 
 
 def save_state(
