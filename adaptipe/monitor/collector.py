@@ -34,6 +34,7 @@ from adaptipe.monitor.schema import (
     TelemetryError,
     decode,
 )
+from adaptipe.monitor.threadname import name_os_thread
 from adaptipe.serial import json_line
 
 __all__ = ["Collector"]
@@ -192,6 +193,7 @@ class Collector:
         return self
 
     def _run(self) -> None:
+        name_os_thread("adaptipe-collector")
         while not self._stop.is_set():
             try:
                 self.poll(50)
