@@ -1,4 +1,4 @@
-"""The pure helpers of bench/bench_overhead.py: reading /proc lines, naming threads,
+"""The pure helpers of bench/bench_overhead.py and bench/_threadcpu.py: reading /proc lines, naming threads,
 splitting a process's CPU between two snapshots, the window and the decision figures."""
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 from adaptipe.monitor.threadname import name_os_thread
-from bench.bench_overhead import (
+from bench._threadcpu import (
     TICK_S,
     ProcCpu,
     Snapshot,
     ThreadCpu,
     account,
-    decisions,
     kind,
     parse_schedstat,
     parse_stat,
@@ -25,6 +24,7 @@ from bench.bench_overhead import (
     split,
     window,
 )
+from bench.bench_overhead import decisions
 
 # A stat line whose name holds a space and a ')' (fields after it as stat(5) lists them).
 STAT = "4242 (we) ird) S 1 4242 4242 0 -1 4194560 900 0 0 0 150 25 0 0 20 0 3 0 777 " + ("0 " * 30)
