@@ -66,11 +66,11 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
 
         controller = args.controller if monitored else "none"
         iterations = args.warmup + args.iterations
-        raw = demo_config(Path(run_dir), controller=controller, iterations=iterations, window=3)
-        raw["train"]["telemetry"] = monitored
+        demo = demo_config(Path(run_dir), controller=controller, iterations=iterations, window=3)
+        demo["train"]["telemetry"] = monitored
         if monitored:
-            raw["adapt"]["dry_run"] = True
-        return RunConfig.from_dict(raw, source="bench_overhead")
+            demo["adapt"]["dry_run"] = True
+        return RunConfig.from_dict(demo, source="bench_overhead")
     raw: dict[str, Any] = {
         "model": mlp_model(args.hidden, args.blocks, args.batch * 8),
         "data": {"batch_size": args.batch, "microbatches": 8},
@@ -234,7 +234,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(json.dumps(pairs[-1]), file=sys.stderr)
 
     def med(key: str) -> float:
-        return round(statistics.median(p[key] for p in pairs), 5)
+        return round(float(statistics.median(p[key] for p in pairs)), 5)
 
     ratios = [p["ratio"] for p in pairs]
     out: dict[str, Any] = {
@@ -287,7 +287,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def _adapt_poll_s() -> float:
     from adaptipe.runtime.launch import ADAPT_POLL_S
 
-    return ADAPT_POLL_S
+    return float(ADAPT_POLL_S)
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
