@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from adaptipe.monitor.schema import LinkSample, MonitorError
+from adaptipe.monitor.threadname import name_os_thread
 from adaptipe.profile import link as _link
 from adaptipe.profile.link import ProbeResult
 
@@ -235,6 +236,7 @@ class LinkWatcher:
         self._queue.put((work, start_s, nbytes, keep, ready))
 
     def _run(self) -> None:
+        name_os_thread(f"adaptipe-l{self.src}-{self.dst}")
         _stay_out_of_the_way()
         while (item := self._queue.get()) is not None:
             work, start_s, nbytes, ready = item[0], item[1], item[2], item[4]

@@ -22,6 +22,7 @@ import zmq
 
 from adaptipe.monitor.device import DeviceProbe, open_probe
 from adaptipe.monitor.schema import DeviceSample, Event, MonitorError, Record
+from adaptipe.monitor.threadname import name_os_thread
 
 __all__ = ["CurveKeys", "DeviceSampler", "Publisher", "check_address"]
 
@@ -226,6 +227,7 @@ class DeviceSampler:
         return self
 
     def _run(self) -> None:
+        name_os_thread("adaptipe-sampler")
         t0 = time.thread_time()
         probe = self._probe or open_probe(self.device_index)
         self.cpu_s += time.thread_time() - t0
