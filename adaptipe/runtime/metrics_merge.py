@@ -9,6 +9,7 @@ overlap; the first iteration, with no predecessor, takes its slowest stage's own
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ class MetricsFollower:
         self.heard = 0.0  # time.monotonic() when a stage last reported anything
         self.last_end: float | None = None
         self._migrations: dict[int, dict[int, dict[str, Any]]] = {}  # iteration -> stage -> event
+        self._paths = [run.stage_metrics(s) for s in range(stages)]
 
     def migrations(self) -> list[dict[str, Any]]:
         """The migrations every stage has reported since the last call, one event each
@@ -81,8 +83,13 @@ class MetricsFollower:
         return new
 
     def _read(self, s: int) -> None:
-        path = self.run.stage_metrics(s)
-        if not path.exists():
+        # Polled every 10-50 ms: a stat, and the file opened only when it has grown.
+        path = self._paths[s]
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return
+        if size <= self.offsets[s]:
             return
         with path.open() as fh:
             fh.seek(self.offsets[s])
