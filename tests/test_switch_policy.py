@@ -27,6 +27,7 @@ from adaptipe.controllers.switch_policy import (
 )
 from adaptipe.envs.evaluate import run_controller
 from adaptipe.envs.generators import generate
+from adaptipe.envs.gym_envs import PipelineSwitch
 from adaptipe.envs.switch_training import learn, train_switch, training_metadata
 from adaptipe.errors import PlanError
 
@@ -140,13 +141,14 @@ def test_the_shipped_policy_records_how_to_train_it_again() -> None:
 def test_learned_switch_acts_as_the_policy_did_in_the_environment() -> None:
     policy = load_switch()
     controller = LearnedSwitch(policy)
-    env = gym.make(ENV_ID).unwrapped
+    env = PipelineSwitch()
     actions = []
     for seed in (7, 8):
         obs, info = env.reset(seed=seed)
         done = False
         while not done:
             action = policy.act(obs)
+            assert env.episode is not None
             decision = controller.decide(env.episode.observation())
             want = tuple(info["candidates"][0]) if action == 1 and info["candidates"] else None
             assert decision.bounds == want
