@@ -269,6 +269,13 @@ def adaptive_demo(
             "-" if p.ratio is None else f"{p.ratio:.2f}x",
         )
     console.print(table)
+    first = phases[0].ratio
+    if first is not None and abs(first - 1) > 0.03:
+        console.print(
+            f"Before the slowdown both runs train the same plan, so their {first:.2f}x is "
+            "this machine's run-to-run difference (the second of two runs is often the "
+            "slower here); read the other rows against it."
+        )
     decided = [e for e in control if e.get("event") == "decision" and e.get("acted")]
     for e, m in zip(decided, moves, strict=False):
         console.print(
