@@ -18,6 +18,8 @@ import pytest
 from adaptipe.cli import main as cli_main
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.errors import PlanError
+from adaptipe.monitor.runlog import load_run
+from adaptipe.monitor.timeline import run_marks
 from adaptipe.runtime.adapt_config import AdaptSection
 from adaptipe.runtime.adapt_loop import AdaptLoop, Decider
 from adaptipe.runtime.adapt_requests import read_override, request_adapt
@@ -164,6 +166,9 @@ def test_a_controller_named_mid_run_moves_layers_off_a_slowed_stage(
     assert len(moves) == 1 and moves[0]["decision"]["bounds"][1] > 3, events
     assert moves[0]["iteration"] >= max(change["iteration"], 10)
     assert [m["ok"] for m in events if m["event"] == "migration"] == [True]
+    # drawn once on the report's charts, not again from its telemetry announcement
+    marks = run_marks(load_run(cfg.train.run_dir), [], 0.0, 1.0)
+    assert sum(m.kind == "migration" for m in marks) == 1
 
 
 def test_a_learned_controller_names_its_artifacts_by_hash(

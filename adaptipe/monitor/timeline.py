@@ -87,17 +87,22 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
         its = clock.to_iter(s0), clock.to_iter(end_s)
         return Mark("injection", label, s0, end_s, *its, detail(start) + note)
 
+    control = _control_events(log.root)
+    # The manager also announces its decisions and migrations on the telemetry stream
+    # (for `adaptipe monitor`); where control.jsonl has them they are drawn from there.
+    logged = {"decision"} | (
+        {"migration"} if any(c.get("event") == "migration" for c in control) else set()
+    )
     for e in sorted((r for r in log.records if isinstance(r, Event)), key=lambda e: e.time_s):
         key = (e.detail.get("origin"), e.detail.get("injector"), e.stage)
         if e.kind == "injection-start":
             open_spans[key] = e
         elif e.kind == "injection-end" and key in open_spans:
             marks.append(span(open_spans.pop(key), e.time_s - t0))
-        elif e.kind != "decision":  # control.jsonl's decisions are drawn from there
+        elif e.kind not in logged:
             s = e.time_s - t0
             marks.append(Mark(e.kind, e.kind, s, None, clock.to_iter(s), None, detail(e)))
     marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
-    control = _control_events(log.root)
     marks += _migration_marks(control, clock)
     marks += _decision_marks(control, clock)
     if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
