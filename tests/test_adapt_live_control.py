@@ -184,3 +184,18 @@ def test_a_learned_controller_names_its_artifacts_by_hash(
     manifest = (shipped("switch") / "artifact.json").read_bytes()
     assert described["controller"] == "ppo" and artifact["model"] == "switch"
     assert artifact["sha256"] == hashlib.sha256(manifest).hexdigest()
+
+
+def test_the_manager_is_asked_to_poll_fast_only_when_a_check_is_near(run: RunDir) -> None:
+    tele = _Telemetry()
+    loop = _loop(run, tele, _adapt(check_every=4, window=4, patience=5))
+    assert loop.due  # the first check waits for the first iterations
+    tele.run(loop, 3)  # the check at 3 has run
+    assert loop._next_check == 7 and not loop.due
+    tele.run(loop, 5)
+    assert not loop.due
+    tele.run(loop, 6)
+    assert loop.due  # the next merge (7) brings the check at 7
+    request_adapt(run.root, paused=True)
+    loop.poll([])
+    assert not loop.due

@@ -217,6 +217,20 @@ class AdaptLoop:
         return self.decider is not None and not self.paused
 
     @property
+    def due(self) -> bool:
+        """Whether the loop wants the next merged iteration soon: a controller call is
+        in flight, or the next merge may be the one a check waits for. The manager polls
+        fast only then (every poll pass costs CPU, `bench/bench_overhead.py`)."""
+        if not self.active:
+            return False
+        if self._call is not None:
+            return True
+        cooling = self._last_move is not None and (
+            self._latest + 1 < self._last_move + self.settings.cooldown
+        )
+        return not cooling and self._latest + 1 >= self._next_check
+
+    @property
     def name(self) -> str:
         return self.decider.name if self.decider is not None else "none"
 

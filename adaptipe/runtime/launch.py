@@ -408,7 +408,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
         launch.announce(events)
         # A controller acts on merged iterations: poll often enough that a decision is
         # not an iteration late for want of one.
-        pause = min(poll_s, ADAPT_POLL_S) if launch.adapt and launch.adapt.active else poll_s
+        pause = min(poll_s, ADAPT_POLL_S) if launch.adapt and launch.adapt.due else poll_s
         codes = workers.codes()
         if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
             workers.respawn()
