@@ -16,7 +16,6 @@ injection scenario and `adaptipe.controllers.live.decider`, and `make_report`.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -140,12 +139,6 @@ def _train(raw: Mapping[str, Any], scenario: Path, console: Any, title: str) -> 
     return Path(summary.run_dir)
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _throughput(metrics: Sequence[Mapping[str, Any]], first: int, last: int) -> float | None:
     rows = [r for r in metrics if first <= int(r["iteration"]) <= last]
     seconds = sum(float(r["iteration_s"]) for r in rows)
@@ -206,6 +199,8 @@ def adaptive_demo(
     from rich.table import Table
 
     from adaptipe.monitor.report import make_report
+    from adaptipe.monitor.runlog import control_events
+    from adaptipe.runtime.rundir import RunDir
     from adaptipe.serial import write_json
 
     t0 = time.monotonic()
@@ -231,7 +226,7 @@ def adaptive_demo(
         console,
         f"2/2 the same, with \\[adapt] controller = {controller!r} and live migration",
     )
-    control = _lines(adaptive_dir / "control.jsonl")
+    control = control_events(adaptive_dir)
     moves = [
         {k: e.get(k) for k in ("iteration", "bounds", "transfer", "bytes", "seconds", "ok")}
         for e in control
@@ -247,8 +242,8 @@ def adaptive_demo(
         default=None,
     )
     phases = phase_table(
-        _lines(static_dir / "metrics.jsonl"),
-        _lines(adaptive_dir / "metrics.jsonl"),
+        RunDir(static_dir).read_metrics(),
+        RunDir(adaptive_dir).read_metrics(),
         onset=began,
         switched=switched,
         iterations=iterations,

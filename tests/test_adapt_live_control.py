@@ -27,7 +27,7 @@ from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import prepare, train
 from adaptipe.runtime.planversion import current_version
 from adaptipe.runtime.rundir import RunDir
-from tests.test_adapt_loop import ONSET, _adapt, _Telemetry
+from tests.test_adapt_loop import ONSET, _adapt, _control, _Telemetry, slowed_config
 
 
 @pytest.fixture
@@ -141,13 +141,9 @@ def test_the_cli_asks_shows_and_refuses(run: RunDir, capsys: pytest.CaptureFixtu
 def test_a_controller_named_mid_run_moves_layers_off_a_slowed_stage(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
-    scenario = tmp_path / "slow.toml"
-    scenario.write_text(
-        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
-    )
-    cfg = make_config(
-        model={"config": {"hidden": 192, "num_samples": 4096}},
-        data={"batch_size": 64},
+    cfg, scenario = slowed_config(
+        make_config,
+        tmp_path,
         train={"iterations": 250},  # ~26 ms each: the controller takes seconds to build
         adapt={"check_every": 2, "window": 4, "patience": 2, "cooldown": 1000},
     )
@@ -158,8 +154,7 @@ def test_a_controller_named_mid_run_moves_layers_off_a_slowed_stage(
             asked.append(request_adapt(cfg.train.run_dir, controller="threshold").seq)
 
     train(cfg, inject=scenario, decider=live_decider, on_iteration=on_iteration)
-    lines = Path(cfg.train.run_dir, "control.jsonl").read_text().splitlines()
-    events = [json.loads(line) for line in lines]
+    events = _control(Path(cfg.train.run_dir))
     (change,) = _controls(events)
     assert change["controller"] == "threshold" and change["iteration"] >= 2
     moves = [e for e in events if e["event"] == "decision" and e["acted"]]

@@ -299,15 +299,15 @@ def _control(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "control.jsonl").read_text().splitlines()]
 
 
-def _slowed_run(
+def slowed_config(
     make_config: Callable[..., RunConfig],
     tmp_path: Path,
     *,
-    iterations: int,
+    train: dict[str, Any],
     adapt: dict[str, Any],
-) -> tuple[RunConfig, list[dict[str, Any]]]:
-    """A real two-stage run with stage 1 slowed 4x from iteration 10, under ``adapt``:
-    its config and its control events."""
+) -> tuple[RunConfig, Path]:
+    """A two-stage config whose iterations take tens of milliseconds, and a scenario
+    slowing stage 1 4x from iteration 10."""
     scenario = tmp_path / "slow.toml"
     scenario.write_text(
         '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
@@ -315,8 +315,22 @@ def _slowed_run(
     cfg = make_config(
         model={"config": {"hidden": 192, "num_samples": 4096}},
         data={"batch_size": 64},
-        train={"iterations": iterations},
+        train=train,
         adapt=adapt,
+    )
+    return cfg, scenario
+
+
+def _slowed_run(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    *,
+    iterations: int,
+    adapt: dict[str, Any],
+) -> tuple[RunConfig, list[dict[str, Any]]]:
+    """A real run of `slowed_config` under ``adapt``: its config and control events."""
+    cfg, scenario = slowed_config(
+        make_config, tmp_path, train={"iterations": iterations}, adapt=adapt
     )
     train(cfg, inject=scenario, decider=live_decider)
     return cfg, _control(Path(cfg.train.run_dir))

@@ -27,7 +27,7 @@ from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import prepare, train
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.supervisor import StageFailed
-from tests.test_adapt_loop import _adapt, _Telemetry
+from tests.test_adapt_loop import _adapt, _control, _Telemetry, slowed_config
 from tests.test_runtime_faults import _wait_for_iteration
 
 
@@ -57,7 +57,12 @@ def run(make_config: Callable[..., RunConfig]) -> RunDir:
 def _loop(run: RunDir, tele: _Telemetry, decider: Any, *, start: int = 0) -> AdaptLoop:
     settings = _adapt(check_every=1, window=1)
     return AdaptLoop(
-        run, settings, decider, lambda: list(tele.records), start=start, checkpoint_every=5
+        run,
+        settings,
+        decider,
+        lambda: list(tele.records),
+        start=start,
+        checkpoint_due=lambda done: done % 5 == 0,
     )
 
 
@@ -135,13 +140,9 @@ def _wait_for_control(run_dir: Path, kind: str, timeout_s: float = 60.0) -> None
 def test_a_stage_killed_while_a_controller_drives_ends_the_run_and_resume_goes_on(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
-    scenario = tmp_path / "slow.toml"
-    scenario.write_text(
-        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
-    )
-    cfg = make_config(
-        model={"config": {"hidden": 192, "num_samples": 4096}},
-        data={"batch_size": 64},
+    cfg, scenario = slowed_config(
+        make_config,
+        tmp_path,
         train={"iterations": 400, "checkpoint_every": 10, "run_dir": str(tmp_path / "run")},
         adapt={
             "controller": "threshold",
@@ -163,7 +164,7 @@ def test_a_stage_killed_while_a_controller_drives_ends_the_run_and_resume_goes_o
     thread = threading.Thread(target=target)
     thread.start()
     _wait_for_control(run_dir, "migration")  # the controller has moved layers
-    control = [json.loads(x) for x in (run_dir / "control.jsonl").read_text().splitlines()]
+    control = _control(run_dir)
     moved_at = next(e["iteration"] for e in control if e["event"] == "migration")
     # kill once a checkpoint after the move is written (its state holds the move)
     pids = _wait_for_iteration(run_dir, stage=1, iteration=(moved_at // 10 + 1) * 10 + 2)
@@ -175,7 +176,7 @@ def test_a_stage_killed_while_a_controller_drives_ends_the_run_and_resume_goes_o
 
     resumed = train(cfg, run_dir=run_dir, resume=True, inject=scenario, decider=live_decider)
     assert resumed.start_iteration > 0
-    events = [json.loads(x) for x in (run_dir / "control.jsonl").read_text().splitlines()]
+    events = _control(run_dir)
     (restored,) = [e for e in events if e["event"] == "adapt_restored"]
     assert restored["iteration"] == resumed.start_iteration
     assert restored["controller"] == "threshold" and restored["last_move"] is not None

@@ -4,7 +4,6 @@ trains ends with every job bitwise equal to the same run with those moves script
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import train
+from tests.test_adapt_loop import _control
 from tests.test_jobarray import _alone, _job_params
 
 GRID = {"lr": [0.002, 0.005]}
@@ -43,10 +43,7 @@ def test_controller_moves_in_a_job_array_equal_the_same_moves_scripted_and_each_
         {"controller": "threshold", "check_every": 2, "window": 2, "patience": 1, "cooldown": 6},
     )
     train(adaptive, inject=scenario, decider=live_decider)
-    events = [
-        json.loads(line)
-        for line in (tmp_path / "adaptive" / "control.jsonl").read_text().splitlines()
-    ]
+    events = _control(tmp_path / "adaptive")
     moves = [(e["iteration"], e["bounds"]) for e in events if e["event"] == "migration"]
     assert moves and all(e["ok"] for e in events if e["event"] == "migration"), events
 
@@ -56,10 +53,7 @@ def test_controller_moves_in_a_job_array_equal_the_same_moves_scripted_and_each_
         {"repartition": [{"iteration": it, "bounds": bounds} for it, bounds in moves]},
     )
     train(scripted)
-    done = [
-        json.loads(line)
-        for line in (tmp_path / "scripted" / "control.jsonl").read_text().splitlines()
-    ]
+    done = _control(tmp_path / "scripted")
     assert [(e["iteration"], e["bounds"]) for e in done if e["event"] == "migration"] == moves
 
     for job in adaptive.jobs:

@@ -35,22 +35,8 @@ def add_parser(
     return p
 
 
-def _last_control(root: Path) -> dict[str, object] | None:
-    path = root / "control.jsonl"
-    if not path.exists():
-        return None
-    last = None
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn last line while the manager writes
-        if event.get("event") in ("decision", "adapt_control"):
-            last = event
-    return last
-
-
 def run(args: argparse.Namespace) -> int:
+    from adaptipe.monitor.runlog import control_events
     from adaptipe.runtime.adapt_requests import read_override, request_adapt
     from adaptipe.runtime.control import manager_running
     from adaptipe.runtime.rundir import RunDir
@@ -68,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
             f"{root}: controller {chosen} ({'paused' if held else 'deciding'}); "
             f"configured {configured}"
         )
-        last = _last_control(root)
+        said = [e for e in control_events(root) if e.get("event") in ("decision", "adapt_control")]
+        last = said[-1] if said else None
         if last is not None:
             print(f"last control event: {json.dumps(last)[:300]}")
         return 0

@@ -24,7 +24,14 @@ import numpy as np
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.charts import STAGE_PARTS, as_float, by_link, draw_charts
-from adaptipe.monitor.runlog import METRICS, TELEMETRY, RunLog, load_run, skipped_note
+from adaptipe.monitor.runlog import (
+    METRICS,
+    TELEMETRY,
+    RunLog,
+    control_events,
+    load_run,
+    skipped_note,
+)
 from adaptipe.monitor.schema import DeviceSample, LinkSample, StageStats
 from adaptipe.monitor.timeline import Mark, run_marks
 
@@ -174,15 +181,7 @@ def _decisions_html(root: Path) -> str:
     """The controller's decisions (``control.jsonl``): iteration, controller, action,
     predicted and realised gain, reason; '' when the run logged none."""
     decisions, realised = [], {}
-    path = root / "control.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a torn line
-        if not isinstance(event, dict):
-            continue
+    for event in control_events(root):
         if event.get("event") == "decision":
             decisions.append(event)
         elif event.get("event") == "decision_outcome":

@@ -28,11 +28,13 @@ __all__ = [
     "RunFollower",
     "RunLog",
     "check_run_dir",
+    "control_events",
     "load_run",
     "skipped_note",
 ]
 
 TELEMETRY, METRICS, SUMMARY = "telemetry.jsonl", "metrics.jsonl", "summary.json"
+CONTROL = "control.jsonl"
 _MAX_LINE = 4 * MAX_FRAME_BYTES  # a longer "line" is garbage: drop it rather than buffer it
 
 
@@ -191,3 +193,20 @@ def load_run(root: str | Path, *, need: Iterable[str] = (TELEMETRY,), final: boo
             raise PlanError(f"{root / SUMMARY}: not valid JSON ({exc})") from None
         summary = data if isinstance(data, dict) else None
     return RunLog(root, records, metrics, summary, follower.skipped)
+
+
+def control_events(root: str | Path) -> list[dict[str, Any]]:
+    """The manager's events (``control.jsonl``: decisions, migrations, controller
+    changes), torn or foreign lines left out; [] when the run has none."""
+    path = Path(root) / CONTROL
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out

@@ -8,15 +8,13 @@ its charts and lists them on its page.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from adaptipe.monitor.runlog import RunLog
+from adaptipe.monitor.runlog import RunLog, control_events
 from adaptipe.monitor.schema import Event, StageStats
 
 __all__ = ["Mark", "run_marks"]
@@ -87,7 +85,7 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
         its = clock.to_iter(s0), clock.to_iter(end_s)
         return Mark("injection", label, s0, end_s, *its, detail(start) + note)
 
-    control = _control_events(log.root)
+    control = control_events(log.root)
     # The manager also announces its decisions and migrations on the telemetry stream
     # (for `adaptipe monitor`); where control.jsonl has them they are drawn from there.
     logged = {"decision"} | (
@@ -122,22 +120,6 @@ def _span_label(start: Event) -> str:
     if "shape" in start.detail and "host" in start.detail:
         return f"{injector} host {start.detail['host']}: {start.detail['shape']}"
     return f"{injector} injection"
-
-
-def _control_events(root: Path) -> list[dict[str, Any]]:
-    """The manager's events (``control.jsonl``), torn or foreign lines left out."""
-    path = root / "control.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
-            out.append(event)
-    return out
 
 
 def _migration_marks(control: Sequence[dict[str, Any]], clock: _Clock) -> list[Mark]:

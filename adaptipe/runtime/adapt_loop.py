@@ -8,10 +8,10 @@ is in flight (a version committed and not yet adopted, or adopted and not yet ru
 every stage) and ``[adapt].cooldown`` iterations have passed since the last move it
 committed (for every controller: one without hysteresis of its own would otherwise
 move back and forth between two partitions that measure alike), it hands the telemetry
-records since the last plan change to a `Decider` on a thread of its own. The poll never waits for it: a call that raises is logged as a
-decision with an ``error``; one that runs past ``[adapt].decide_timeout_s`` is logged as
-timed out, its answer (when it comes) is dropped, and no new call starts until it has
-returned. A move (not with ``dry_run``) is committed through `repartition` on the
+records since the last plan change to a `Decider` on a thread of its own. The poll never
+waits for it: a call that raises is logged as a decision with an ``error``; one that
+runs past ``[adapt].decide_timeout_s`` is logged as timed out, its answer (when it
+comes) is dropped, and no new call starts until it has returned. A move (not with ``dry_run``) is committed through `repartition` on the
 decision's own thread, the moment the controller answers (waiting for the next poll
 would cost the workers an iteration or two), so the workers take it on at their next
 boundary with ``[adapt].method``; the poll logs it. The controller in charge, with
@@ -39,7 +39,7 @@ finishes first). Each change is an event::
      ["error" (the controller could not be built: the previous one stays)]}
 
 The loop keeps its state with the run's checkpoints: when the iterations up to a
-checkpoint (every ``[train].checkpoint_every``) have merged, it writes
+checkpoint have merged (the workers' rule, `adaptipe.runtime.control.checkpoint_due`), it writes
 ``control/adapt-state/iter-N.json`` (the controller in charge, paused, the last move,
 and the controller's own `state_dict` where it keeps one). A resumed run restores the
 newest such file at or before its checkpoint and logs an ``adapt_restored`` event, so
@@ -172,7 +172,8 @@ class AdaptLoop:
         commit: commits layer bounds, returns the version (default: `repartition`).
         rebuild: builds the controller a name stands for (None for "none"); without it
             ``adaptipe adapt --controller`` is refused here with an error event.
-        checkpoint_every: the run's ``[train].checkpoint_every`` (0: no state saved).
+        checkpoint_due: whether a checkpoint is written after that many iterations
+            (`adaptipe.runtime.control.checkpoint_due`; None: no state saved).
     """
 
     def __init__(
@@ -186,17 +187,17 @@ class AdaptLoop:
         commit: Callable[[tuple[int, ...]], int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rebuild: Callable[[str], Decider | None] | None = None,
-        checkpoint_every: int = 0,
+        checkpoint_due: Callable[[int], bool] | None = None,
     ) -> None:
         self.run, self.settings, self.decider = run, settings, decider
-        self._checkpoint_every = checkpoint_every
+        self._checkpoint_due = checkpoint_due
         self._rebuild = rebuild
         self.paused = False
         self._override_seq = 0
         self._override_stamp: tuple[int, int] | None = None
         self._asked_by = self.name  # the controller of the call in flight
-        self._building: ControllerBuild | None = None  # adaptipe adapt --controller
-        self._building_asked: AdaptOverride | None = None
+        # adaptipe adapt --controller: the controller being built, and the request
+        self._building: tuple[ControllerBuild, AdaptOverride] | None = None
         self._restored = self._restore(start) if start > 0 else []
         if decider is not None:
             record_controller(run.root, decider, iteration=start)
@@ -240,9 +241,9 @@ class AdaptLoop:
             self._times[int(rec["iteration"])] = float(rec["iteration_s"])
             self._latest = max(self._latest, int(rec["iteration"]))
         events, self._restored = self._restored, []
-        if self._checkpoint_every > 0:
+        if self._checkpoint_due is not None:
             for rec in merged:
-                if (int(rec["iteration"]) + 1) % self._checkpoint_every == 0:
+                if self._checkpoint_due(int(rec["iteration"]) + 1):
                     self._save(int(rec["iteration"]) + 1)
         events += self._overridden() + self._built() + self._collect()
         if merged and self._pending:
@@ -318,16 +319,14 @@ class AdaptLoop:
         # Built on a thread: loading a controller (its imports, a learned model) can take
         # seconds, and the poll must not stop merging iterations meanwhile.
         rebuild = self._rebuild
-        self._building = ControllerBuild(lambda: rebuild(wanted))
-        self._building_asked = asked
+        self._building = (ControllerBuild(lambda: rebuild(wanted)), asked)
         return []
 
     def _built(self) -> list[dict[str, Any]]:
         """The event of a controller build that has finished (it takes over now)."""
-        build, asked = self._building, self._building_asked
-        if build is None or not build.done or asked is None:
+        if self._building is None or not self._building[0].done:
             return []
-        self._building = None
+        (build, asked), self._building = self._building, None
         previous = self.name
         if build.error is not None:  # e.g. a learned policy for another stage count
             return [self._control_event(asked, previous, error=_describe(build.error))]

@@ -143,6 +143,14 @@ def is_rung(config: RunConfig, iteration: int, total: int) -> bool:
     return every > 0 and 0 < iteration < total and iteration % every == 0
 
 
+def checkpoint_due(config: RunConfig, done: int, total: int) -> bool:
+    """Whether a checkpoint is written once ``done`` of ``total`` iterations have run:
+    every ``[train].checkpoint_every``, at the end, and at each halving rung (the workers
+    write it; the decision loop saves its own state at the same boundaries)."""
+    every = config.train.checkpoint_every
+    return (every > 0 and done % every == 0) or done == total or is_rung(config, done, total)
+
+
 def halving_survivors(losses: dict[int, float], keep: float) -> list[int]:
     """The best ``ceil(keep * n)`` jobs by validation loss (at least one); ties by index.
 

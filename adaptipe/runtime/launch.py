@@ -28,7 +28,12 @@ from adaptipe.monitor.schema import Event
 from adaptipe.runtime.adapt_loop import AdaptLoop, Decider, DeciderFactory
 from adaptipe.runtime.bootstrap import EXIT_RESTART
 from adaptipe.runtime.config import RunConfig, parse_config
-from adaptipe.runtime.control import JobController, mark_manager, unadopted_stops
+from adaptipe.runtime.control import (
+    JobController,
+    checkpoint_due,
+    mark_manager,
+    unadopted_stops,
+)
 from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
 from adaptipe.runtime.managerinfo import read_manager
@@ -321,10 +326,9 @@ def _run(
         collector, workers = elsewhere.start(run, follower, monitored=monitored)
         marked = True  # with where its telemetry goes: the workers look it up
     else:
-        # `adaptipe stop` and `adaptipe adapt` can tell their request is heard
         marked = controller is not None or (decider is not None and cfg.train.telemetry)
-        if marked:
-            mark_manager(run, running=True)  # `adaptipe stop` can tell its request is heard
+        if marked:  # `adaptipe stop` and `adaptipe adapt` can tell their request is heard
+            mark_manager(run, running=True)
         collector = Collector(jsonl=run.telemetry).start() if monitored else None
         control_dir = run.root / "inject" if scenario is not None else None
         start_workers = functools.partial(
@@ -350,7 +354,7 @@ def _run(
         marked=marked,
     )
     if decider is not None and collector is not None and cfg.train.telemetry:
-        launch.adapt = _adapt_loop(run, cfg, decider, chosen, collector, start)
+        launch.adapt = _adapt_loop(run, cfg, decider, chosen, collector, start, total)
     try:
         if scenario is not None:
             assert collector is not None
@@ -448,6 +452,7 @@ def _adapt_loop(
     chosen: Decider | None,
     collector: Collector,
     start: int,
+    total: int,
 ) -> AdaptLoop:
     """The decision loop; with no controller configured it idles until ``adaptipe adapt``
     names one."""
@@ -459,7 +464,7 @@ def _adapt_loop(
         collector.records,
         start=start,
         rebuild=rebuild,
-        checkpoint_every=cfg.train.checkpoint_every,
+        checkpoint_due=functools.partial(checkpoint_due, cfg, total=total),
     )
 
 

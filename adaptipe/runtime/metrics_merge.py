@@ -36,7 +36,7 @@ class MetricsFollower:
         self.heard = 0.0  # time.monotonic() when a stage last reported anything
         self.last_end: float | None = None
         self._migrations: dict[int, dict[int, dict[str, Any]]] = {}  # iteration -> stage -> event
-        self._paths = [run.root / "stages" / f"stage-{s}.jsonl" for s in range(stages)]
+        self._paths = [run.stage_metrics(s, create=False) for s in range(stages)]
 
     def migrations(self) -> list[dict[str, Any]]:
         """The migrations every stage has reported since the last call, one event each

@@ -86,9 +86,11 @@ class RunDir:
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.checkpoints / f"iter-{iteration:06d}"
 
-    def stage_metrics(self, stage: int) -> Path:
+    def stage_metrics(self, stage: int, *, create: bool = True) -> Path:
+        """A stage's report file; ``create`` makes its folder (for the writer)."""
         path = self.root / "stages" / f"stage-{stage}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
         return path
 
     def log(self, stage: int) -> Path:

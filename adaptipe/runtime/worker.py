@@ -45,7 +45,7 @@ from adaptipe.runtime.bootstrap import (
     place,
 )
 from adaptipe.runtime.config import RunConfig
-from adaptipe.runtime.control import is_rung
+from adaptipe.runtime.control import checkpoint_due
 from adaptipe.runtime.data import BatchStream, RoundFeed
 from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.handshake import negotiate_shapes
@@ -433,12 +433,7 @@ class _Worker:
             log(fh, record)
 
     def checkpoint_due(self, done: int) -> bool:
-        every = self.config.train.checkpoint_every
-        return (
-            (every > 0 and done % every == 0)
-            or done == self.total
-            or is_rung(self.config, done, self.total)
-        )
+        return checkpoint_due(self.config, done, self.total)
 
     def checkpoint(self, iteration: int) -> None:
         save_checkpoint(
