@@ -1,0 +1,120 @@
+"""The training recipe's two partition-free parts: learning-rate schedules and gradient
+clipping by global norm.
+
+**Schedules** are functions of the iteration number alone (`LrSchedule.factor`): they
+hold no state, so a resumed run, a migrated layer and a job of a job-array all see the
+same rate at the same step, and a sweep can vary them like ``lr``. A linear warm-up
+(from ``lr / warmup`` up to ``lr`` over ``warmup`` iterations) comes first; then
+``constant``, ``cosine`` (down to ``min_lr_ratio * lr`` at ``total`` iterations) or
+``step`` (times ``gamma`` every ``step_every`` iterations), counted from the end of the
+warm-up.
+
+**Clipping.** The global norm is the square root of the sum over layers, in global layer
+order, of each layer's squared gradient norm (each in float64, its parameters in
+registration order). A stage computes its own layers' terms, the stages exchange them
+(one small message), and every stage sums them in layer order, so the norm, and the
+clipped step, do not depend on where the cuts are or on a migration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from adaptipe.errors import PlanError
+
+__all__ = [
+    "SCHEDULES",
+    "LrSchedule",
+    "clip_coefficient",
+    "global_norm",
+    "layer_sq_norm",
+    "scale_gradients",
+]
+
+Schedule = Literal["constant", "cosine", "step"]
+SCHEDULES: tuple[Schedule, ...] = ("constant", "cosine", "step")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LrSchedule:
+    """The learning rate at an iteration, as a factor of the job's ``lr``."""
+
+    kind: Schedule = "constant"
+    warmup: int = 0
+    total: int = 0  # cosine: iterations from the start to the end of the decay
+    min_lr_ratio: float = 0.0
+    step_every: int = 0
+    gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULES:
+            raise PlanError(f"schedule {self.kind!r} (allowed: {', '.join(SCHEDULES)})")
+        if self.warmup < 0:
+            raise PlanError(f"warmup must be >= 0 (got {self.warmup})")
+        if self.kind == "cosine" and self.total <= self.warmup:
+            raise PlanError(
+                f"cosine schedule: total ({self.total}) must exceed warmup ({self.warmup})"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise PlanError(f"min_lr_ratio must be in [0, 1] (got {self.min_lr_ratio})")
+        if self.kind == "step" and self.step_every < 1:
+            raise PlanError(f"step schedule: step_every must be >= 1 (got {self.step_every})")
+        if not 0.0 < self.gamma <= 1.0:
+            raise PlanError(f"gamma must be in (0, 1] (got {self.gamma})")
+
+    def factor(self, iteration: int) -> float:
+        """The factor at ``iteration`` (0-based, the optimizer step it comes before)."""
+        if iteration < self.warmup:
+            return (iteration + 1) / self.warmup
+        after = iteration - self.warmup
+        if self.kind == "cosine":
+            span = self.total - self.warmup
+            progress = min(after / span, 1.0)
+            cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+            return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cos
+        if self.kind == "step":
+            return float(self.gamma ** (after // self.step_every))
+        return 1.0
+
+    def lr(self, base: float, iteration: int) -> float:
+        return base * self.factor(iteration)
+
+
+def layer_sq_norm(layer: nn.Module) -> float:
+    """The squared norm of ``layer``'s gradients in float64 (parameters without a
+    gradient count 0), summed in registration order."""
+    total = 0.0
+    for p in layer.parameters():
+        if p.grad is not None:
+            total += float(torch.sum(p.grad.detach().double() ** 2))
+    return total
+
+
+def global_norm(terms: Mapping[int, float], num_layers: int) -> float:
+    """The global gradient norm from every layer's squared norm (`layer_sq_norm`), keyed
+    by global layer index, summed in layer order."""
+    missing = [i for i in range(num_layers) if i not in terms]
+    if missing:
+        raise ValueError(f"global_norm: no squared norm for layers {missing}")
+    return math.sqrt(math.fsum(terms[i] for i in range(num_layers)))
+
+
+def clip_coefficient(norm: float, max_norm: float, *, eps: float = 1e-6) -> float | None:
+    """The factor to scale gradients by (None: leave them), as
+    ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    coef = max_norm / (norm + eps)
+    return coef if coef < 1.0 else None
+
+
+def scale_gradients(layers: Iterable[nn.Module], coef: float) -> None:
+    with torch.no_grad():
+        for layer in layers:
+            for p in layer.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
