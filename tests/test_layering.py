@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("schedule",),
     ("sim",),
     ("japsp",),
+    ("cluster",),
     ("monitor",),
     ("inject",),
     ("runtime",),

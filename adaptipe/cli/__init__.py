@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``adaptipe`` parser; each sub-command's ``func`` is its module's ``run``."""
     from adaptipe.cli import (
         adapt,
+        cluster,
         collect,
         controllers,
         hosts,
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         trace,
         controllers,
         prepare,
+        cluster,
     ):
         command.add_parser(sub)
     return parser
