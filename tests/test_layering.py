@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),
     ("controllers",),
     ("envs",),
-    ("cli", "demo", "adaptive_demo"),
+    ("cli", "demo", "adaptive_demo", "timeslice"),
 ]
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 # `adaptipe/__init__.py` re-exports Partition, Profile and Schedule: it sits with the
