@@ -23,6 +23,7 @@ from adaptipe.inject.injectors import read_memory_loads
 from adaptipe.inject.inworker import WorkerMemory
 from adaptipe.inject.runner import ScenarioRunner
 from adaptipe.inject.scenario import MemoryPressure, parse_scenario
+from adaptipe.monitor.report import make_report
 from adaptipe.monitor.runlog import load_run
 from adaptipe.monitor.schema import StageStats
 from adaptipe.monitor.timeline import run_marks
@@ -34,6 +35,7 @@ from adaptipe.runtime.memory import MemoryManager, minimum_budget
 from adaptipe.runtime.memory_guard import rss_bytes
 from adaptipe.runtime.memory_relief import MemoryRequest, relieved_bounds, write_request
 from adaptipe.runtime.planversion import current_version, read_active, record_adoption
+from tests.test_jobarray import _job_params
 from tests.test_memory import CPU, ONE_F_ONE_B, _binder
 
 MB = 1 << 20
@@ -236,18 +238,58 @@ def test_a_stage_growing_toward_its_limit_gives_a_layer_away_and_trains_bitwise_
     moves = [e for e in control if e["event"] == "decision" and e.get("reason") == "memory"]
     assert len(moves) == 1 and moves[0]["acted"], control
     assert moves[0]["decision"]["bounds"] == [0, 4, 6]
-    assert moves[0]["iteration"] >= warnings[0]["iteration"]
     migrations = [e for e in control if e["event"] == "migration"]
     assert [(m["bounds"], m["ok"]) for m in migrations] == [([0, 4, 6], True)]
+    assert migrations[0]["iteration"] > warnings[0]["iteration"]
     # telemetry: stage 1 ran two micro-batches in flight from its warning on
     log = load_run(tmp_path / "mem")
     stats = [r for r in log.records if isinstance(r, StageStats) and r.stage == 1]
     assert {r.in_flight for r in stats if r.iteration < warnings[0]["iteration"]} == {4}
     assert {r.in_flight for r in stats if r.iteration >= warnings[0]["iteration"]} == {2}
     assert "memory" in {m.kind for m in run_marks(log, stats, stats[0].time_s, 1.0)}
+    page = make_report(tmp_path / "mem").read_text()
+    assert "memory warning" in page and "one layer off it" in page
 
     want, got = _params(tmp_path / "base"), _params(tmp_path / "mem")
     layers = sorted(k for k in want if "layers." in k)
     assert layers and sorted(k for k in got if "layers." in k) == layers
     for key in layers:
         assert torch.isfinite(want[key]).all() and torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.slow
+def test_a_job_array_gives_a_layer_away_from_a_growing_stage_with_each_job_bitwise(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """Two jobs through one pipeline: stage 1 (last) has no cap to take (one block in
+    flight already) and says so; the move and each job's numbers are as with one job."""
+
+    def array(run_dir: Path, limit_mb: int) -> RunConfig:
+        data = _run(make_config, run_dir, limit_mb).to_dict()
+        data["data"] |= {"microbatches": 1, "batch_size": 32}
+        data["pipeline"]["schedule"] = "1f1b"
+        data["train"]["iterations"] = 60
+        data["sweep"] = {"grid": {"lr": [0.002, 0.005]}, "window": 2}
+        return RunConfig.from_dict(data, source="test.toml")
+
+    train(array(tmp_path / "base", 100_000), decider=live_decider)
+    peak = next(
+        e["used_mb"] for e in _stage_events(tmp_path / "base", 1) if e["event"] == "memory_peak"
+    )
+    scenario = tmp_path / "memory.toml"
+    scenario.write_text(
+        '[[inject]]\nkind = "memory"\nat_iteration = 10\nstage = 1\ngib = 0.4\ngrow_mb = 40\n'
+    )
+    cfg = array(tmp_path / "mem", int(peak) + 500)
+    train(cfg, decider=live_decider, inject=scenario)
+    warned = [e for e in _stage_events(tmp_path / "mem", 1) if e["event"] == "memory_warning"]
+    assert warned and "no cap below" in warned[0]["in_flight"]["why"]
+    control = [json.loads(x) for x in (tmp_path / "mem" / "control.jsonl").read_text().splitlines()]
+    migrations = [(e["bounds"], e["ok"]) for e in control if e["event"] == "migration"]
+    assert migrations == [([0, 4, 6], True)], control
+    for job in cfg.jobs:
+        want = _job_params(str(tmp_path / "base"), job.index)
+        got = _job_params(str(tmp_path / "mem"), job.index)
+        assert want.keys() == got.keys() and want
+        for key in want:
+            assert torch.isfinite(want[key]).all() and torch.equal(got[key], want[key]), key
