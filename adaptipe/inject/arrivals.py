@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from adaptipe.errors import PlanError
@@ -112,9 +112,11 @@ def _level(reader: FieldReader, t: Any, where: str, levels: Mapping[str, float])
         stages = tuple(range(reader.num_stages or 0))
     specs = []
     for kind in kinds:
-        own = tuple(f.name for f in fields(SPECS[kind]) if f.name != "stage")
+        # a drawn memory load is a process's: its in-worker fields are not drawn
+        own = tuple(f.name for f in fields(SPECS[kind]) if f.name not in ("stage", "grow_mb"))
         template = dict(reader.table(t.get(kind, {}), f"{where}.{kind}", own, kind))
-        if len(own) < len(fields(SPECS[kind])):  # a stage kind: the stage is drawn
+        if any(f.name == "stage" and f.default is MISSING for f in fields(SPECS[kind])):
+            # a stage kind: the stage is drawn
             if not stages:
                 needed = f"is needed to draw {kind} injections when the stage count is unknown"
                 raise reader.fail(f"{where}.stages", f"{needed} (e.g. stages = [0, 1])")

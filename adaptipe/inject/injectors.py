@@ -42,6 +42,7 @@ __all__ = [
     "HogProcesses",
     "Injector",
     "Throttle",
+    "read_memory_loads",
     "read_slowdowns",
     "read_throttles",
 ]
@@ -295,6 +296,15 @@ def read_slowdowns(control_dir: str | os.PathLike[str]) -> dict[int, float]:
     out: dict[int, float] = {}
     for state in _states(control_dir, "slowdown"):
         out[state["stage"]] = out.get(state["stage"], 1.0) * float(state.get("factor", 1.0))
+    return out
+
+
+def read_memory_loads(control_dir: str | os.PathLike[str]) -> dict[int, list[dict[str, Any]]]:
+    """The in-worker memory loads active now, by stage: each its ``origin``, ``mb``
+    (the most it holds), ``grow_mb`` (added per window boundary) and ``touch``."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for state in _states(control_dir, "memory"):
+        out.setdefault(state["stage"], []).append(state)
     return out
 
 

@@ -104,7 +104,11 @@ class ScenarioRunner:
         self._on_event, self._kill_stage = on_event, kill_stage
         self._rng = random.Random(seed)
         self._ready_timeout_s = ready_timeout_s
-        needs_dir = any(isinstance(i.spec, LinkThrottle | Slowdown) for i in scenario.injections)
+        needs_dir = any(
+            isinstance(i.spec, LinkThrottle | Slowdown)
+            or (isinstance(i.spec, MemoryPressure) and i.spec.stage is not None)
+            for i in scenario.injections
+        )
         self._own_dir = control_dir is None and needs_dir  # made by start(), removed by stop()
         shapes = any(isinstance(i.spec, LinkReshape) for i in scenario.injections)
         self._links = LinkShaper(scenario) if shapes else None
@@ -311,6 +315,12 @@ class ScenarioRunner:
             return HogProcesses([{"load": spec.method, **inj.fields()}] * spec.threads)
         if isinstance(spec, GpuHog):
             return HogProcesses([{"load": "gpu", **inj.fields()}])
+        if isinstance(spec, MemoryPressure) and spec.stage is not None:  # in the worker
+            assert self.control_dir is not None
+            grow = spec.grow_mb if spec.grow_mb is not None else spec.gib * 1024
+            load = {"origin": inj.origin, "stage": spec.stage, "mb": spec.gib * 1024}
+            path = self.control_dir / f"memory-{spec.stage}-{key:04d}.json"
+            return ControlFile(path, load | {"grow_mb": grow, "touch": spec.touch})
         if isinstance(spec, MemoryPressure):
             size = int(spec.gib * 2**30)
             return HogProcesses([{"load": "memory", "bytes": size, "touch": spec.touch}])

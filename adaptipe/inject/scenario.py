@@ -106,11 +106,18 @@ class GpuHog:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryPressure:
-    """Hold `gib` GiB; `touch` writes every page so it is resident (false: only reserve)."""
+    """Hold `gib` GiB; `touch` writes every page so it is resident (false: only reserve).
+
+    Without `stage` a child process holds it; with `stage` that stage's worker allocates
+    it inside itself (`adaptipe.inject.inworker`), `grow_mb` MB more at each of its
+    window boundaries (all at once without it): memory its own guard sees.
+    """
 
     kind: ClassVar[str] = "memory"
     gib: float = field(default=1.0, metadata=_POSITIVE)
     touch: bool = field(default=True, metadata=_rule("bool"))
+    stage: int | None = field(default=None, metadata=_STAGE)
+    grow_mb: float | None = field(default=None, metadata=_POSITIVE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -366,6 +373,10 @@ class FieldReader:
         ):
             nothing = 'throttles nothing: give bandwidth (e.g. "100MB/s") or extra_latency_s'
             raise self.fail(where, nothing)
+        if isinstance(spec, MemoryPressure) and spec.stage is None and spec.grow_mb is not None:
+            raise self.fail(
+                f"{where}.grow_mb", "applies to memory inside a stage's worker: give stage too"
+            )
         if isinstance(spec, LinkReshape):
             if all(getattr(spec, name) is None for name in _SHAPE_FIELDS):
                 nothing = 'sets no shape: give rate, delay, jitter or loss (rate = "inf": no limit)'

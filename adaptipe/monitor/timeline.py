@@ -1,4 +1,5 @@
-"""Events on a run's time line: injections as spans, checkpoints and migrations as points.
+"""Events on a run's time line: injections as spans; checkpoints, migrations, decisions
+and memory warnings as points.
 
 :func:`run_marks` pairs each ``injection-start`` event with its ``injection-end`` (same
 origin, injector and stage) and places every mark both in seconds since the run's first
@@ -103,6 +104,7 @@ def run_marks(log: RunLog, stats: Sequence[StageStats], t0: float, t_end: float)
     marks += [span(start, t_end, " (no end recorded)") for start in open_spans.values()]
     marks += _migration_marks(control, clock)
     marks += _decision_marks(control, clock)
+    marks += _memory_marks(control, clock)
     if not any(m.kind == "checkpoint" for m in marks):  # fall back on the checkpoint folders
         for path in sorted((log.root / "checkpoints").glob("iter-*")):
             if (n := path.name.removeprefix("iter-")).isdigit():
@@ -160,4 +162,23 @@ def _decision_marks(control: Sequence[dict[str, Any]], clock: _Clock) -> list[Ma
         except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a torn or foreign line
         out.append(Mark("decision", label, clock.to_time(x), None, x, None, detail))
+    return out
+
+
+def _memory_marks(control: Sequence[dict[str, Any]], clock: _Clock) -> list[Mark]:
+    """A stage's memory warnings (`adaptipe.runtime.memory_relief`), at the start of the
+    iteration its guard read the memory before."""
+    out = []
+    for event in control:
+        if event.get("event") != "memory_warning":
+            continue
+        try:
+            x = float(event["iteration"]) - 0.5
+            detail = (
+                f"stage {event['stage']} {event['state']}: {float(event['used_mb']):.0f} of "
+                f"{float(event['limit_mb']):.0f} MB ({float(event['slope_mb']):+.0f} MB/iteration)"
+            )
+        except (ValueError, KeyError, TypeError):
+            continue  # a torn or foreign line
+        out.append(Mark("memory", "memory warning", clock.to_time(x), None, x, None, detail))
     return out

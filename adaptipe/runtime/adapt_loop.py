@@ -25,15 +25,16 @@ Events (one JSON line each in ``control.jsonl``)::
     {"event": "decision_outcome", "iteration" (the decision's), "version", "switched_at",
      "before_s", "after_s", "predicted_gain_s", "realised_gain_s"}
 
-The outcome compares the median merged iteration time of the ``window`` iterations just
-before the switch with that of the first ``window`` iterations from it on (the switch's
-own stall included); a move the workers could not make (a failed migration rolls back)
-has ``switched_at`` null.
+The outcome compares the median merged iteration time of the ``window`` iterations before
+the switch with that of the first ``window`` from it on (its stall included); a move the
+workers could not make (a failed migration rolls back) has ``switched_at`` null.
 
 ``adaptipe adapt RUN_DIR --pause | --resume | --controller NAME`` changes the loop live
 (`adaptipe.runtime.adapt_requests`): a paused loop starts no calls, and another
 controller is built by ``rebuild`` and used from the next check on (a call in flight
-finishes first). Each change is an event::
+finishes first). A stage's memory warning (`adaptipe.runtime.memory_relief`) is logged
+and answered whatever the controller, paused or not: one layer off that stage, as a
+``decision`` with ``"reason": "memory"`` under the same cooldown. Each change is an event::
 
     {"event": "adapt_control", "iteration", "seq", "paused", "controller", "previous",
      ["error" (the controller could not be built: the previous one stays)]}
@@ -53,10 +54,9 @@ factory in (`adaptipe.controllers.live.decider` does observe + decide).
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from adaptipe.errors import PlanError
@@ -69,6 +69,8 @@ from adaptipe.runtime.adapt_requests import (
     read_override,
 )
 from adaptipe.runtime.adapt_state import load_state, record_controller, save_state
+from adaptipe.runtime.decide_call import DeciderCall, Verdict
+from adaptipe.runtime.memory_relief import MemoryRelief
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
 from adaptipe.runtime.rundir import RunDir
@@ -80,16 +82,6 @@ if TYPE_CHECKING:
 __all__ = ["AdaptLoop", "Decider", "DeciderFactory", "Verdict"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Verdict:
-    """One controller call's answer: move to ``bounds`` (None: keep), the controller's
-    decision as JSON, and the numbers it decided on (for the log)."""
-
-    bounds: tuple[int, ...] | None
-    decision: Mapping[str, Any]
-    inputs: Mapping[str, Any] = field(default_factory=dict)
-
-
 class Decider(Protocol):
     """Observes telemetry ``records`` under ``partition`` and decides; may keep state."""
 
@@ -99,54 +91,6 @@ class Decider(Protocol):
 
 
 DeciderFactory = Callable[[RunDir, "RunConfig"], Decider]
-
-
-class _Call:
-    """One decider call on a daemon thread (a hung controller never holds up exit).
-
-    ``act`` runs on the same thread with the verdict, unless the call has been logged
-    as timed out by then (``lock`` orders the two): a late answer is dropped."""
-
-    def __init__(
-        self,
-        fn: Callable[[], Verdict],
-        act: Callable[[Verdict], dict[str, Any]],
-        clock: Callable[[], float],
-    ) -> None:
-        self.clock, self.started = clock, clock()
-        self.ended: float | None = None
-        self.result: Verdict | None = None
-        self.acted: dict[str, Any] = {}  # what acting on the verdict added to its event
-        self.error: BaseException | None = None
-        self.timed_out = False  # logged as timed out: its answer is dropped
-        self.lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, act), name="adaptipe-decide", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
-        verdict: Verdict | None = None
-        try:
-            verdict = fn()
-        except Exception as exc:  # a controller's fault is logged, never raised
-            self.error = exc
-        finally:
-            with self.lock:  # done and acted at once, as the timeout sees it
-                try:
-                    if verdict is not None and not self.timed_out:
-                        self.result, self.acted = verdict, act(verdict)
-                except Exception as exc:
-                    self.error = exc
-                finally:
-                    self.ended = self.clock()
-
-    @property
-    def done(self) -> bool:
-        return self.ended is not None
-
-    def seconds(self) -> float:
-        return (self.ended if self.ended is not None else self.clock()) - self.started
 
 
 @dataclass(slots=True)
@@ -206,11 +150,12 @@ class AdaptLoop:
         self._latest = start - 1  # the last merged iteration
         self._next_check = start
         self._times: dict[int, float] = {}  # merged iteration -> its seconds
-        self._call: _Call | None = None
+        self._call: DeciderCall | None = None
         self._asked: tuple[int, tuple[int, ...]] = (start, ())  # iteration, bounds in force
         self._pending: list[_Pending] = []
         self._last_move: int | None = None  # the iteration of the last committed move
         self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
+        self._memory = MemoryRelief(run.root)
 
     @property
     def active(self) -> bool:
@@ -245,7 +190,7 @@ class AdaptLoop:
             for rec in merged:
                 if self._checkpoint_due(int(rec["iteration"]) + 1):
                     self._save(int(rec["iteration"]) + 1)
-        events += self._overridden() + self._built() + self._collect()
+        events += self._overridden() + self._built() + self._collect() + self._relieve()
         if merged and self._pending:
             events += self._outcomes()
         if merged:  # keep what an outcome may still need
@@ -365,7 +310,7 @@ class AdaptLoop:
         since, partition = in_force
         if self._latest < since + self.settings.window - 1:
             return  # a full window under the partition in force first
-        if self._last_move is not None and self._latest < self._last_move + self.settings.cooldown:
+        if self._cooling():
             return
         records = [
             r for r in self._records() if not isinstance(r, StageStats) or r.iteration >= since
@@ -374,7 +319,7 @@ class AdaptLoop:
         assert decider is not None  # active
         self._asked = (self._latest, tuple(partition.bounds))
         self._asked_by = decider.name
-        self._call = _Call(lambda: decider(records, partition), self._act, self._clock)
+        self._call = DeciderCall(lambda: decider(records, partition), self._act, self._clock)
         self.calls += 1
         self._next_check = self._latest + self.settings.check_every
 
@@ -409,7 +354,7 @@ class AdaptLoop:
             return [self._base(call) | {"decision": None, "acted": False, "error": why}]
         return []
 
-    def _base(self, call: _Call) -> dict[str, Any]:
+    def _base(self, call: DeciderCall) -> dict[str, Any]:
         iteration, bounds = self._asked
         return {
             "event": "decision",
@@ -420,7 +365,7 @@ class AdaptLoop:
             "seconds": round(call.seconds(), 6),
         }
 
-    def _event(self, call: _Call) -> dict[str, Any]:
+    def _event(self, call: DeciderCall) -> dict[str, Any]:
         event = self._base(call)
         verdict = call.result
         if verdict is None:
@@ -454,6 +399,29 @@ class AdaptLoop:
 
     def _repartition(self, bounds: tuple[int, ...]) -> int:
         return repartition(self.run.root, bounds).version
+
+    def _relieve(self) -> list[dict[str, Any]]:
+        """The workers' memory warnings logged; the oldest unanswered one answered once
+        no change or call is in flight and the cooldown allows (module doc)."""
+        events = self._memory.poll()
+        in_force = self._in_force() if self._memory.asking and self._call is None else None
+        if in_force is None or self._cooling():
+            return events
+        event = self._memory.decide(self._latest, in_force[1], dry_run=self.settings.dry_run)
+        bounds = event["decision"]["bounds"]
+        if bounds is not None and not self.settings.dry_run:
+            try:
+                version = self._commit(tuple(bounds))
+            except PlanError as exc:
+                return [*events, event | {"error": f"commit refused: {exc}"}]
+            self._last_move = self._latest
+            self._pending.append(_Pending(self._latest, version, None))
+            event |= {"acted": True, "version": version}
+        return [*events, event]
+
+    def _cooling(self) -> bool:
+        last = self._last_move
+        return last is not None and self._latest < last + self.settings.cooldown
 
     # ------------------------------------------------------------------ outcomes
     def _outcomes(self) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ complete example::
     link_telemetry = false      # also time every send per link (a watcher thread per peer)
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>
+    stage_memory_mb = 8000      # memory early warning per stage (MB), or a list per stage
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from adaptipe.runtime.config_sections import (
     OptimizerSection,
     PipelineSection,
     TrainSection,
+    stage_memory,
 )
 from adaptipe.runtime.host import fit_to_host, resolve_backend, this_host
 from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
@@ -220,7 +222,7 @@ def _read(cls: type[T], raw: Mapping[str, Any], source: str, name: str, **given:
     """Build section `cls` from table `raw`, checking each field as its `_field` says."""
     values = dict(given)
     for f in fields(cls):  # type: ignore[arg-type]
-        if f.name in values:
+        if f.name in values or f.metadata.get("custom"):
             continue
         kw: dict[str, Any] = {"source": source, "prefix": f"[{name}]."}
         if f.default is not MISSING:
@@ -261,7 +263,7 @@ def _parse(
         parse_bandwidth(pipeline.bandwidth, what="[pipeline].bandwidth")
     except PlanError as exc:
         raise PlanError(f"{source}: {exc}") from None
-    train = _train(_table(data, "train", TrainSection, source), source, stem)
+    train = _train(_table(data, "train", TrainSection, source), source, stem, pipeline.stages)
     raw = _table(data, "data", DataSection, source)
     # The data order follows the run's seed unless [data].seed says otherwise.
     seed = {} if "seed" in raw else {"seed": train.seed}
@@ -378,16 +380,16 @@ def _partition(raw: Mapping[str, Any], source: str, base: Path) -> str | tuple[i
     )
 
 
-def _train(raw: Mapping[str, Any], source: str, stem: str) -> TrainSection:
+def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> TrainSection:
     length = [key for key in ("iterations", "epochs") if raw.get(key) is not None]
     if len(length) != 1:
         got = "both" if length else "neither"
         raise _fail(source, "[train]", f"needs exactly one of iterations or epochs (got {got})")
     # threads_per_stage stays unset (None) and backend "auto": the host decides them.
     given: dict[str, Any] = {"backend": "auto", "run_dir": f"runs/{stem}"}
-    train = _read(
-        TrainSection, raw, source, "train", **{k: v for k, v in given.items() if raw.get(k) is None}
-    )
+    given = {k: v for k, v in given.items() if raw.get(k) is None}
+    memory = stage_memory(raw.get("stage_memory_mb"), f"{source}: [train].stage_memory_mb", stages)
+    train = _read(TrainSection, raw, source, "train", stage_memory_mb=memory, **given)
     device, backend = train.device, train.backend
     if not 0.1 <= train.telemetry_interval_s <= 0.5:
         raise _fail(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from adaptipe.errors import PlanError
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.models.spec import SPLITS, Split
 from adaptipe.runtime.sweep import OPTIMIZER_FIELDS
@@ -27,6 +28,7 @@ __all__ = [
     "OptimizerSection",
     "PipelineSection",
     "TrainSection",
+    "stage_memory",
 ]
 
 
@@ -153,6 +155,31 @@ class TrainSection:
     trace_iterations: int = field(default=0, metadata=_rule(minimum=0))
     trace_start: int = field(default=0, metadata=_rule(minimum=0))
     run_dir: str = "runs/run"
+    # The memory early warning (`adaptipe.runtime.memory_guard`): each stage's memory
+    # limit in MB (one for all, or one per stage); None: no guard.
+    stage_memory_mb: int | tuple[int, ...] | None = field(default=None, metadata={"custom": True})
+
+    def memory_limit_mb(self, stage: int) -> int | None:
+        """Stage ``stage``'s memory limit in MB (None: the guard is off)."""
+        limit = self.stage_memory_mb
+        return limit[stage] if isinstance(limit, tuple) else limit
+
+
+def stage_memory(value: Any, where: str, stages: int) -> int | tuple[int, ...] | None:
+    """``[train].stage_memory_mb`` checked: an integer > 0 (MB) for every stage, or a
+    list of one per stage; ``where`` names the file and field in the error."""
+    if value is None:
+        return None
+    many = isinstance(value, list | tuple)
+    values = list(value) if many else [value]
+    if (many and len(values) != stages) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values
+    ):
+        raise PlanError(
+            f"{where} must be an integer > 0 (MB, every stage) or a list of {stages} such "
+            f"integers, one per stage (got {value!r})"
+        )
+    return tuple(values) if many else int(value)
 
 
 # A `Schedule` is frozen (its `meta` dict is read, never written), so one built object

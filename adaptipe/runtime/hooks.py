@@ -259,7 +259,10 @@ def worker_hooks(run: RunDir, config: RunConfig, stage: Stage, transport: Link) 
 
     control_dir = os.environ.get(CONTROL_DIR_ENV)
     if control_dir:
+        from adaptipe.inject.inworker import WorkerMemory
+
         hooks.append(_Interference(control_dir, stage.rank, transport))
+        hooks.append(WorkerMemory(control_dir, stage.rank))  # memory aimed at this stage
     target = telemetry_target(run, config)
     if target is not None:
         interval = config.train.telemetry_interval_s

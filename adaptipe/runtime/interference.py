@@ -56,10 +56,12 @@ def load_interference(
     if scenario.poisson:
         scenario = expand(scenario, horizon_s=SCENARIO_HORIZON_S, seed=seed)
     for inj in scenario.injections if remote else ():
-        if inj.kind in _NOT_REMOTE:
+        in_worker = inj.kind == "memory" and inj.stage is not None  # a control file too
+        why = _NOT_REMOTE["slowdown"] if in_worker else _NOT_REMOTE.get(inj.kind)
+        if why is not None:
             raise PlanError(
                 f"{scenario.source}: {inj.origin} is a {inj.kind}, which `adaptipe manage` "
-                f"cannot run: {_NOT_REMOTE[inj.kind]}; run it with `adaptipe train --inject`"
+                f"cannot run: {why}; run it with `adaptipe train --inject`"
             )
     if any(isinstance(i.spec, LinkReshape) for i in scenario.injections):
         LinkShaper(scenario)  # the beds are up and have the hosts named

@@ -292,6 +292,30 @@ class MemoryManager:
         # the new order's first blocks: fetch them now, as if its last block had just run
         self._prefetch(self._n - 1, pinned=set(self._open_after[self._n - 1]))
 
+    def set_budget(self, budget: int) -> int:
+        """Keep at most ``budget`` job states resident from now on (an iteration
+        boundary), offloading the farthest-used ones at once: the memory guard tightens
+        the budget of a stage near its memory limit (`adaptipe.runtime.memory_guard`).
+
+        Clamped to the least the block order runs with and below the job count; a
+        manager that keeps every state resident (not enabled) is left as it is. Returns
+        the budget in force.
+        """
+        if not self.enabled:
+            return self.budget
+        least = max(len(s) for s in self._needed)
+        budget = max(least, min(budget, self.binder.num_jobs - 1))
+        if budget == self.budget:
+            return budget
+        self.synchronize()
+        self.budget = budget
+        last = self._n - 1  # a boundary: as if the order's last block had just run
+        while self._occupancy() > budget:
+            self._evict(max(self.resident, key=lambda v: self._next_use(v, last)))
+        self._mover.synchronize()
+        self._prefetch(last, pinned=set(self._open_after[last]))
+        return budget
+
     def _set_order(self, order: Order) -> None:
         keys = _keys(order)
         needed = _needed(keys)

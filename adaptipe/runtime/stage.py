@@ -1,10 +1,8 @@
 """A stage worker's executor: one loop over its instruction list.
 
 A stage holds an ordered list of **layer slots** per local chunk (virtual stage), each
-with its own module, optimizer and random stream (`adaptipe.runtime.slots`), so that
-layers can be taken off one end of a stage and travel with their state
-(`adaptipe.runtime.stagestate.Stage`). Forward and backward run over the slots of a
-chunk in order.
+with its own module, optimizer and random stream (`adaptipe.runtime.slots`), so layers
+can leave one end of a stage with their state (`adaptipe.runtime.stagestate.Stage`).
 
 Weights: synchronous schedules use the live parameters directly (one version, the
 step after the flush). Asynchronous schedules (PipeDream weight stashing, vertical
@@ -13,10 +11,9 @@ the tensors of the version its instruction names, while the optimizer updates th
 parameters in place; gradients computed on a snapshot are added into the live
 parameters' ``.grad`` before the step (dissertation §2.4, §3.2.1).
 
-Batched weight gradients (``batch_weight_grads``, synchronous schedules of one job):
-a micro-batch's backward through an ``nn.Linear`` computes only the input gradient; the
-weight gradients of all micro-batches are one GEMM each, right before the optimizer step
-(`adaptipe.profile.wgrad`).
+Batched weight gradients (``batch_weight_grads``, synchronous schedules of one job): a
+micro-batch's backward through an ``nn.Linear`` computes only the input gradient; the
+weight gradients of all micro-batches are one GEMM each, before the optimizer step.
 """
 
 from __future__ import annotations
@@ -192,18 +189,17 @@ class StageExecutor:
                     f"stage {self.stage}: weight version {version} is needed but was not kept "
                     f"(current version {self.steps_done})"
                 )
-            snap = [
-                [
-                    {
-                        n: p.detach().clone().requires_grad_(True)
-                        for n, p in slot.module.named_parameters()
-                    }
-                    for slot in chunk
-                ]
-                for chunk in self.chunks
-            ]
+            snap = [[_leaves(slot.module) for slot in chunk] for chunk in self.chunks]
             self._snapshots[version] = snap
         return snap
+
+    def set_program(self, program: tuple[Instruction, ...]) -> None:
+        """Run ``program``, this stage's list reordered (`adaptipe.runtime.inflight`),
+        from the next iteration on."""
+        self.program = program
+        self._receives = self._plan_receives() if self.boundary_specs else []
+        self._versions_after = self._versions_needed_after() if self.versioned else []
+        self._rounds = None
 
     def set_boundary_specs(self, specs: dict[tuple[int, int], TensorSpec]) -> None:
         """Install the negotiated boundary shapes (after `forward_only` found them)."""
@@ -498,3 +494,7 @@ class StageExecutor:
         """Every layer slot of this stage, chunk by chunk, in model order."""
         for chunk in self.chunks:
             yield from chunk
+
+
+def _leaves(module: torch.nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone().requires_grad_(True) for n, p in module.named_parameters()}

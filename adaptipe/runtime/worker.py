@@ -60,6 +60,7 @@ from adaptipe.runtime.hooks import (
 )
 from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.managerinfo import read_manager
+from adaptipe.runtime.memory_guard import guard_hook
 from adaptipe.runtime.migration import layers_of, migrate
 from adaptipe.runtime.plan_switch import PlanSwitch
 from adaptipe.runtime.planversion import PlanVersion
@@ -243,6 +244,8 @@ class _Worker:
         hooks = worker_hooks(run, config, stage, self.transport)
         edges = set().union(*(h.edges() for h in hooks)) | self.follower.replay_edges(self.start)
         with run.stage_metrics(rank).open("a") as fh, contextlib.ExitStack() as cleanup:
+            limit = config.train.memory_limit_mb(rank)
+            hooks += guard_hook(run.root, limit, stage, lambda event: log(fh, event))
             for hook in hooks:
                 cleanup.callback(hook.close)
             cleanup.callback(self.transport.close)  # first: a stuck link watcher must not hold us
