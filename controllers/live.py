@@ -3,9 +3,11 @@ calls, built from a run's ``[adapt]`` by `decider`.
 
 Each call builds an `Observation` (`observe`) from the telemetry since the last plan
 change, under the partition in force, and asks the controller (``[adapt].controller``:
-`Threshold` with ``[adapt]``'s margin, patience, cooldown, max_per_hour and horizon) to
-decide. The verdict carries what it decided on: the measured iteration time, the best
-partition DynPipe's planner predicts on the measured slowdowns, and those slowdowns.
+`Threshold` with ``[adapt]``'s margin, patience, cooldown, max_per_hour and horizon; a
+baseline; or for ``ppo`` the learned chain, `adaptipe.controllers.chain`) to decide.
+The verdict carries what it decided on: the measured iteration time, the best
+partition DynPipe's planner predicts on the measured slowdowns, and those slowdowns;
+the chain adds what each of its models said (``inputs["chain"]``).
 
 The per-layer baseline is the run's ``profile.json`` when it has one. A run planned
 without a profile (an even or a given partition) has none; profiling the model in the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -184,8 +187,10 @@ class LiveDecider:
         )
         explain = getattr(self.controller, "explain", None)
         if callable(explain):  # the chain: what each model said
+            start = time.thread_time()
             times = iteration_seconds(records, self.workers)
             decision, said = explain(obs, times=times)
+            said["cpu_ms"] = round((time.thread_time() - start) * 1e3, 3)  # wall: "seconds"
             logged = inputs(obs) | {"chain": said}
         else:
             decision, logged = self.controller.decide(obs), inputs(obs)
