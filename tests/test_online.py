@@ -162,3 +162,16 @@ def test_settings_are_checked() -> None:
         OnlineSettings(budget_s=0)
     with pytest.raises(PlanError, match="capacity"):
         OnlineSettings(capacity=0)
+
+
+def test_a_round_runs_on_its_own_thread_and_the_decision_does_not_wait() -> None:
+    predictor = load_predictor()
+    tuner = OnlineTuner(predictor, OnlineSettings(budget_s=0.5, passes=10**6))
+    serving = predictor.network
+    observations = _decisions(5, _rows(40))
+    _feed(tuner, predictor, observations[:4])  # labels the first decision: a round starts
+    assert tuner._tuning is not None and tuner._tuning.is_alive() and tuner.rounds == 0
+    assert predictor.network is serving  # the decision serves with the network it had
+    tuner.wait(120)
+    assert tuner.rounds == 1 and predictor.network is not serving
+    assert 0.5 <= tuner.round_cpu_s[0] < 0.53
