@@ -64,7 +64,9 @@ class Stateful(Protocol):
     """A controller whose decisions depend on earlier ones (patience counters, the last
     move, what it planned for). Its state is plain JSON, saved with the run's
     checkpoints by the manager (`adaptipe.runtime.adapt_loop`), so a resumed run goes on
-    deciding as the interrupted one would have."""
+    deciding as the interrupted one would have. Weights it adapted go to files under the
+    run directory, which the state names by path and sha256
+    (`adaptipe.controllers.online`)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

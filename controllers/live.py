@@ -3,9 +3,11 @@ calls, built from a run's ``[adapt]`` by `decider`.
 
 Each call builds an `Observation` (`observe`) from the telemetry since the last plan
 change, under the partition in force, and asks the controller (``[adapt].controller``:
-`Threshold` with ``[adapt]``'s margin, patience, cooldown, max_per_hour and horizon) to
-decide. The verdict carries what it decided on: the measured iteration time, the best
-partition DynPipe's planner predicts on the measured slowdowns, and those slowdowns.
+`Threshold` with ``[adapt]``'s margin, patience, cooldown, max_per_hour and horizon; a
+baseline; or for ``ppo`` the learned chain, `adaptipe.controllers.chain`) to decide.
+The verdict carries what it decided on: the measured iteration time, the best
+partition DynPipe's planner predicts on the measured slowdowns, and those slowdowns;
+the chain adds what each of its models said (``inputs["chain"]``).
 
 The per-layer baseline is the run's ``profile.json`` when it has one. A run planned
 without a profile (an even or a given partition) has none; profiling the model in the
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from adaptipe.controllers.base import Controller, Keep
@@ -42,10 +46,14 @@ from adaptipe.serial import load_json_file
 __all__ = ["LiveDecider", "decider", "from_settings"]
 
 
-def from_settings(adapt: AdaptSection, *, stages: int | None = None) -> Controller:
+def from_settings(
+    adapt: AdaptSection, *, stages: int | None = None, run_root: Path | None = None
+) -> Controller:
     """The controller ``[adapt].controller`` names: `Threshold` with ``[adapt]``'s
     settings, a baseline (`adaptipe.controllers.baselines`, default settings) or the
-    shipped PPO switch policy, which must have been trained for ``stages`` stages.
+    learned chain (`adaptipe.controllers.chain`: interference forest, candidates, speed
+    predictor, PPO switch policy), whose policy must have been trained for ``stages``
+    stages. ``run_root``: where ``[adapt].online`` saves the adapted predictor.
 
     Raises `PlanError` for a controller that cannot run this pipeline."""
     if adapt.controller == "threshold":
@@ -58,17 +66,64 @@ def from_settings(adapt: AdaptSection, *, stages: int | None = None) -> Controll
         )
         return Threshold(settings)
     if adapt.controller == "ppo":
-        from adaptipe.controllers.switch_policy import LearnedSwitch, load_switch
-
-        try:
-            return LearnedSwitch(load_switch(stages=stages))
-        except PlanError as exc:
-            raise PlanError(f"[adapt].controller = 'ppo': {exc}") from None
+        return _chain(adapt, stages=stages, run_root=run_root)
     if adapt.controller in ("always_best", "straggler", "stale"):
         from adaptipe.controllers.baselines import BASELINES
 
         return BASELINES[adapt.controller]()
     return Keep()
+
+
+def _switch_folder(stages: int | None) -> Path:
+    """The switch policy artifact for ``stages`` stages (one shipped so far)."""
+    from adaptipe.controllers.artifacts import shipped
+
+    return shipped("switch")
+
+
+def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) -> Controller:
+    """The learned chain: the switch policy is required; the predictor and the forest
+    are used where they load (else the chain falls back and its decisions say so)."""
+    import torch
+
+    from adaptipe.controllers.artifacts import describe, shipped
+    from adaptipe.controllers.chain import Chain
+    from adaptipe.controllers.interference import load_interference
+    from adaptipe.controllers.online import ADAPTED_DIR, OnlineSettings, OnlineTuner
+    from adaptipe.controllers.predictor import load_predictor
+    from adaptipe.controllers.switch_policy import load_switch
+
+    torch.set_num_threads(1)  # tiny networks: a second thread only waits for a core
+    folder = _switch_folder(stages)
+    try:
+        policy = load_switch(folder, stages=stages)
+    except PlanError as exc:
+        raise PlanError(f"[adapt].controller = 'ppo': {exc}") from None
+    why, predictor, forest, tuner = [], None, None, None
+    try:
+        predictor = load_predictor()
+    except PlanError as exc:
+        why.append(f"predictor: not loaded ({exc}): the simulator ranks")
+    try:
+        forest = load_interference()
+    except PlanError as exc:
+        why.append(f"interference: not loaded ({exc}): measured slowdowns only")
+    if adapt.online and predictor is not None:
+        tuner = OnlineTuner(
+            predictor,
+            OnlineSettings(budget_s=adapt.online_budget_s),
+            out=run_root / ADAPTED_DIR if run_root is not None else None,
+            root=run_root,
+            source=describe(shipped("predictor")),
+        )
+    return Chain(
+        policy,
+        predictor=predictor,
+        interference=forest,
+        tuner=tuner,
+        why=why,
+        switch_folder=folder,
+    )
 
 
 class LiveDecider:
@@ -92,10 +147,11 @@ class LiveDecider:
     def describe(self) -> dict[str, Any]:
         """The controller's name and the shipped artifacts it decides with (model,
         folder, sha256 of the manifest): what the run directory records."""
-        from adaptipe.controllers.artifacts import describe, shipped
+        from adaptipe.controllers.artifacts import describe
 
-        models = ("switch",) if self.name == "ppo" else ()
-        return {"controller": self.name, "artifacts": [describe(shipped(m)) for m in models]}
+        folders = getattr(self.controller, "artifacts", None)
+        found = folders() if callable(folders) else []
+        return {"controller": self.name, "artifacts": [describe(f) for f in found]}
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's state (`Stateful`), {} for one that keeps none."""
@@ -129,8 +185,16 @@ class LiveDecider:
             workers=self.workers,
             microbatches=self.microbatches,
         )
-        decision = self.controller.decide(obs)
-        return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=inputs(obs))
+        explain = getattr(self.controller, "explain", None)
+        if callable(explain):  # the chain: what each model said
+            start = time.thread_time()
+            times = iteration_seconds(records, self.workers)
+            decision, said = explain(obs, times=times)
+            said["cpu_ms"] = round((time.thread_time() - start) * 1e3, 3)  # wall: "seconds"
+            logged = inputs(obs) | {"chain": said}
+        else:
+            decision, logged = self.controller.decide(obs), inputs(obs)
+        return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)
 
 
 def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
@@ -139,7 +203,7 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         load_json_file(run.profile_json, Profile.from_json) if run.profile_json.exists() else None
     )
     return LiveDecider(
-        from_settings(cfg.adapt, stages=cfg.pipeline.stages),
+        from_settings(cfg.adapt, stages=cfg.pipeline.stages, run_root=run.root),
         profile,
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,
@@ -180,6 +244,18 @@ def layer_sizes(cfg: RunConfig) -> list[LayerProfile] | None:
         return out
     except Exception:  # a layer that needs real data to run: no bytes, as before
         return None
+
+
+def iteration_seconds(records: Sequence[Record], workers: int) -> dict[int, float]:
+    """Per iteration every stage reported in ``records``: the stages' mean
+    ``iteration_s`` (the online tuner's label, as `adaptipe.envs.predictor_eval`'s)."""
+    from adaptipe.monitor.schema import StageStats
+
+    seen: dict[int, dict[int, float]] = {}
+    for rec in records:
+        if isinstance(rec, StageStats):
+            seen.setdefault(rec.iteration, {})[rec.stage] = float(rec.iteration_s)
+    return {it: statistics.fmean(got.values()) for it, got in seen.items() if len(got) >= workers}
 
 
 def _complete(records: Sequence[Record], partition: Partition, workers: int) -> int:

@@ -338,18 +338,25 @@ class Predictor:
 
     def predict(self, obs: Observation, candidates: Sequence[Sequence[int]]) -> list[float]:
         """The mean seconds per iteration of each candidate over the next K iterations."""
+        return self.predict_encoded(obs, candidates)[0]
+
+    def predict_encoded(
+        self, obs: Observation, candidates: Sequence[Sequence[int]]
+    ) -> tuple[list[float], Encoded]:
+        """`predict`, and the inputs it encoded (what online fine-tuning learns from)."""
         enc = encode(obs, candidates, self.config)
         if not len(enc.candidates):
-            return []
+            return [], enc
         n = len(enc.candidates)
+        network = self.network  # one network for the call: online tuning swaps it
         with torch.inference_mode():
-            out = self.network(
+            out = network(
                 torch.from_numpy(enc.series).expand(n, -1, -1),
                 torch.from_numpy(enc.static).expand(n, -1),
                 torch.from_numpy(enc.candidates),
             )
         seconds = to_seconds(out.double().numpy(), enc.base_s(self.config.target))
-        return [float(v) for v in seconds]
+        return [float(v) for v in seconds], enc
 
 
 def load_predictor(path: str | Path | None = None) -> Predictor:

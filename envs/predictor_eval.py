@@ -39,7 +39,13 @@ from adaptipe.controllers.predictor import Predictor, encode
 from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import DeviceSample, Event, Record, StageStats
 
-__all__ = ["RecordedSample", "compact_run", "recorded_report", "recorded_samples"]
+__all__ = [
+    "RecordedSample",
+    "compact_run",
+    "online_report",
+    "recorded_report",
+    "recorded_samples",
+]
 
 _QUIET_MAX = 8
 
@@ -165,6 +171,58 @@ def recorded_report(
             }
         )
     return out
+
+
+def online_report(
+    predictor_path: str | Path | None,
+    run_dirs: Sequence[str | os.PathLike[str]],
+    *,
+    every: int = 4,
+    settings: Any = None,
+) -> dict[str, dict[str, Any]]:
+    """Online fine-tuning (`adaptipe.controllers.online`) on recorded runs, per run: a
+    decision every ``every`` iterations of its first half feeds the tuner as the live
+    chain would (the partition in force, labelled by later windows; rounds in the
+    caller); then the MAPE of the shipped and the adapted network on the second half,
+    and the tuner's own running scores over the first (``prequential_*``: each label
+    against the prediction made when it was a decision)."""
+    from adaptipe.controllers.online import OnlineSettings, OnlineTuner
+    from adaptipe.controllers.predictor import load_predictor
+
+    chosen = settings if settings is not None else OnlineSettings(background=False)
+    out = {}
+    for run_dir in run_dirs:
+        samples, _ = recorded_samples(run_dir)
+        predictor, shipped = load_predictor(predictor_path), load_predictor(predictor_path)
+        tuner = OnlineTuner(predictor, chosen)
+        half = len(samples) // 2
+        for s in samples[:half:every]:
+            obs = s.obs
+            times = {
+                it: float(np.mean(row))
+                for it, row in zip(obs.iterations, obs.stage_iteration_s, strict=True)
+            }
+            seconds, enc = predictor.predict_encoded(obs, [obs.bounds])
+            tuner.observed(obs, enc, seconds, [obs.bounds], times)
+        tuner.wait()
+        summary = tuner.summary()
+        out[Path(run_dir).name] = {
+            "samples": len(samples),
+            "tuned_on": summary["samples"],
+            "rounds": summary["rounds"],
+            "cpu_s": summary["cpu_s"],
+            "prequential_in_service": summary.get("mape_in_service"),
+            "prequential_shipped": summary.get("mape_shipped"),
+            "shipped": _mape(shipped, samples[half:]),
+            "adapted": _mape(predictor, samples[half:]),
+        }
+    return out
+
+
+def _mape(predictor: Predictor, samples: Sequence[RecordedSample]) -> float:
+    guess = np.asarray([predictor.predict(s.obs, [s.obs.bounds])[0] for s in samples])
+    true = np.asarray([s.true_s for s in samples])
+    return round(float(np.mean(np.abs(guess / true - 1))), 5)
 
 
 def _rounded(value: Any, digits: int) -> Any:

@@ -29,6 +29,10 @@
     horizon = 100            # threshold: iterations a move's predicted gain counts over
     dry_run = false          # log the decisions, never act on them
     decide_timeout_s = 5.0   # a controller call longer than this is logged as timed out
+    online = false           # ppo: fine-tune the speed predictor on the run's own
+                             # measurements (`adaptipe.controllers.online`), on a
+                             # low-priority thread between decisions
+    online_budget_s = 0.2    # its CPU seconds per round (one round per decision at most)
 
     [[adapt.repartition]]    # scripted: from iteration 10 on, layers 0-2 | 3-7
     iteration = 10
@@ -92,6 +96,8 @@ class AdaptSection:
     horizon: int = 100
     dry_run: bool = False
     decide_timeout_s: float = 5.0
+    online: bool = False
+    online_budget_s: float = 0.2
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -105,6 +111,8 @@ class AdaptSection:
             "margin": self.margin,
             "dry_run": self.dry_run,
             "decide_timeout_s": self.decide_timeout_s,
+            "online": self.online,
+            "online_budget_s": self.online_budget_s,
             "repartition": [
                 {"iteration": r.iteration, "bounds": list(r.bounds)} for r in self.repartition
             ],
@@ -129,6 +137,8 @@ def parse_adapt(
         "margin",
         "dry_run",
         "decide_timeout_s",
+        "online",
+        "online_budget_s",
     )
     for key in raw:
         if key not in allowed:
@@ -186,7 +196,20 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         raise PlanError(
             f"{source}: [adapt].decide_timeout_s must be > 0 and <= 3600 seconds (got {wait:g})"
         )
-    return {**out, "margin": margin, "decide_timeout_s": wait}
+    online = get_bool(raw, "online", source=source, prefix=p, default=False)
+    budget = get_float(raw, "online_budget_s", source=source, prefix=p, default=0.2)
+    if not 0 < budget <= 60:
+        raise PlanError(
+            f"{source}: [adapt].online_budget_s must be > 0 and <= 60 CPU seconds a round "
+            f"(got {budget:g})"
+        )
+    return {
+        **out,
+        "margin": margin,
+        "decide_timeout_s": wait,
+        "online": online,
+        "online_budget_s": budget,
+    }
 
 
 def _repartition(
