@@ -102,14 +102,20 @@ def _built(ref: str, options: tuple[tuple[str, Any], ...]) -> ModelSpec:
         made = fn(**dict(options))
     layers, loss, datasets = _unpack(ref, made)
     spec = ModelSpec(
-        name=ref,
-        config={"factory": ref, **dict(options)},
+        name=_label(ref),
+        config=dict(options),
         layers=tuple(layers),
         loss_fn=loss,
         dataset_fn=functools.partial(_dataset, ref, datasets),
     )
     check_contract(spec)
     return spec
+
+
+def _label(ref: str) -> str:
+    """A short name for the model: ``file:function`` or the module path as given."""
+    module, _, attr = _parse(ref)
+    return f"{Path(module).stem}:{attr}" if module.endswith(".py") else ref
 
 
 def user_model(ref: str, **options: Any) -> ModelSpec:

@@ -254,7 +254,7 @@ def _parse(
         if name not in _SECTIONS + _OPTIONAL_SECTIONS:
             allowed = ", ".join(_SECTIONS + _OPTIONAL_SECTIONS)
             raise PlanError(f"{source}: unknown section [{name}] (allowed: {allowed})")
-    model, spec = _model(_table(data, "model", ModelSection, source), source)
+    model, spec = _model(_table(data, "model", ModelSection, source), source, base)
     raw = _table(data, "pipeline", PipelineSection, source)
     pipeline = _read(
         PipelineSection, raw, source, "pipeline", partition=_partition(raw, source, base)
@@ -322,11 +322,13 @@ def _parse(
     return config
 
 
-def _model(raw: Mapping[str, Any], source: str) -> tuple[ModelSection, ModelSpec]:
-    name = get_str(raw, "name", source=source, prefix="[model].", choices=MODEL_NAMES)
+def _model(raw: Mapping[str, Any], source: str, base: Path) -> tuple[ModelSection, ModelSpec]:
     overrides = raw.get("config", {})
     if not isinstance(overrides, Mapping):
         raise _fail(source, "[model.config]", f"must be a table (got {overrides!r})")
+    if raw.get("factory") is not None:
+        return _user_model(raw, source, base, overrides)
+    name = get_str(raw, "name", source=source, prefix="[model].", choices=MODEL_NAMES)
     try:
         spec = get_model(name, **overrides)
     except PlanError as exc:
@@ -337,6 +339,27 @@ def _model(raw: Mapping[str, Any], source: str) -> tuple[ModelSection, ModelSpec
         message = f"is not a field {m.group(3)}" if m.group(1) else m.group(3)
         raise _fail(source, f"[model.config].{m.group(2)}", message) from None
     return ModelSection(name=name, config=dict(spec.config)), spec
+
+
+def _user_model(
+    raw: Mapping[str, Any], source: str, base: Path, options: Mapping[str, Any]
+) -> tuple[ModelSection, ModelSpec]:
+    """``[model] factory``: a user's model (`adaptipe.models.user`), its file made
+    absolute so that every worker imports the same one."""
+    from adaptipe.models.user import resolve_factory, user_model
+
+    ref = get_str(raw, "factory", source=source, prefix="[model].")
+    try:
+        resolved = resolve_factory(ref, base=base)
+        spec = user_model(resolved, **options)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+    except TypeError as exc:  # the factory refused [model.config]'s keywords
+        raise _fail(source, "[model.config]", f"does not fit the factory {ref!r}: {exc}") from None
+    name = raw.get("name", spec.name)
+    if not isinstance(name, str) or not name:
+        raise _fail(source, "[model].name", f"must be a non-empty string (got {name!r})")
+    return ModelSection(name=name, config=dict(options), factory=resolved), spec
 
 
 def _optimizer(raw: Mapping[str, Any], source: str, *, strict: bool = True) -> OptimizerSection:

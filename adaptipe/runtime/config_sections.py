@@ -41,12 +41,19 @@ def _rule(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSection:
-    """The zoo model; `config` holds its full architecture (defaults filled in)."""
+    """The zoo model, or a user's (``factory``, an absolute "file.py:function" or
+    "package.module:function"); `config` holds its full architecture (defaults filled
+    in) or the factory's keyword arguments."""
 
     name: str
     config: dict[str, Any] = field(default_factory=dict)
+    factory: str | None = None
 
     def spec(self) -> ModelSpec:
+        if self.factory is not None:
+            from adaptipe.models.user import user_model
+
+            return user_model(self.factory, **self.config)
         return get_model(self.name, **self.config)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
-from adaptipe.models import ModelSpec, get_model
+from adaptipe.models import ModelSpec
 from adaptipe.runtime.rundir import RunDir
 
 __all__ = ["evaluate_jobs", "load_trained_model", "validation_loss"]
@@ -44,7 +44,7 @@ def _checkpoint_tensors(
     found = Path(checkpoint) if checkpoint is not None else ckpt.latest(run.checkpoints)
     if found is None:
         raise PlanError(f"{run.root}: no committed checkpoint yet")
-    spec = get_model(config.model.name, **config.model.config)
+    spec = config.model.spec()
     tensors, _ = ckpt.load_compatible(
         found, model=spec.name, model_config=dict(spec.config), num_layers=spec.num_layers
     )

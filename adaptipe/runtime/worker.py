@@ -32,7 +32,7 @@ import torch.distributed as dist
 import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
-from adaptipe.models import ModelSpec, get_model
+from adaptipe.models import ModelSpec
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.bootstrap import (
     EXIT_RESTART,
@@ -149,7 +149,7 @@ class _Worker:
     def setup(
         cls, run: RunDir, config: RunConfig, proc: Process, device: torch.device, *, resume: bool
     ) -> _Worker:
-        spec = get_model(config.model.name, **config.model.config)
+        spec = config.model.spec()
         partition, schedule = run.read_partition(), run.read_schedule()
         stage = build_stage(spec, partition, schedule, proc.rank, config, device)
         start = load_latest(run, spec, stage, restore=proc.rank == 0) if resume else 0

@@ -1,0 +1,113 @@
+"""A user's model from a file outside the package (a residual block the zoo does not
+have, a plain Dataset of tuples) trained through 2 stage processes: as a single job and
+as a job-array, each job bitwise equal to the same job trained alone by adaptipe, and
+within 1e-5 relative of a plain PyTorch loop with the same micro-batch split."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import adaptipe.runtime.checkpoint as ckpt
+from adaptipe.errors import PlanError
+from adaptipe.runtime import train
+from adaptipe.runtime.config import RunConfig
+
+FACTORY = Path(__file__).parent / "usermodel" / "user_model.py"
+BASE: dict[str, Any] = {
+    "model": {"factory": f"{FACTORY}:build", "config": {"width": 8, "blocks": 2}},
+    "data": {"batch_size": 16, "microbatches": 2, "seed": 3},
+    "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    "pipeline": {"stages": 2, "schedule": "1f1b"},
+    "train": {"iterations": 4, "seed": 7, "threads_per_stage": 1, "timeout_s": 60},
+}
+
+
+def _config(tmp_path: Path, name: str, **over: dict[str, Any]) -> RunConfig:
+    data = copy.deepcopy(BASE)
+    for key, value in over.items():
+        data[key] = {**data.get(key, {}), **value}
+    data["train"]["run_dir"] = str(tmp_path / name)
+    return RunConfig.from_dict(data, source=f"{name}.toml")
+
+
+def _final(run_dir: str, job: int | None = None) -> dict[str, torch.Tensor]:
+    found = ckpt.latest(Path(run_dir) / "checkpoints")
+    assert found is not None
+    tensors, _ = ckpt.load(found)
+    prefix = "" if job is None else f"jobs.{job}."
+    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
+
+
+def _plain_loop(cfg: RunConfig, lr: float) -> dict[str, torch.Tensor]:
+    """The model trained by hand: adaptipe's batches, each split into its micro-batches,
+    the mean loss of each divided by their number, one SGD step per batch."""
+    spec = cfg.model.spec()
+    model = spec.build_all(seed=cfg.train.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=cfg.optimizer.momentum)
+    batches = spec.dataset(split="train").batches(cfg.data.batch_size, seed=cfg.data.seed or 0)
+    m = cfg.data.microbatches
+    for _, (x, y) in zip(range(cfg.train.iterations or 0), batches, strict=False):
+        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+            (spec.loss(model(xs), ys) / m).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        f"layers.{i}.{n}": p.detach()
+        for i, layer in enumerate(model)
+        for n, p in layer.named_parameters()
+    }
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_a_single_job_trains_as_a_plain_loop_and_as_alone(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "single")
+    assert (
+        cfg.model.factory == f"{FACTORY.resolve()}:build" and cfg.model.name == "user_model:build"
+    )
+    summary = train(cfg)
+    got = _final(summary.run_dir)
+    again = _final(train(_config(tmp_path, "again")).run_dir)
+    _bitwise(got, again)
+    _close(got, _plain_loop(cfg, lr=0.05))
+
+
+def test_each_job_of_an_array_is_bitwise_its_own_run(tmp_path: Path) -> None:
+    cfg = _config(tmp_path, "array", data={"microbatches": 1})
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": {"lr": [0.05, 0.1]}, "solver": "1f1b"}
+    array = RunConfig.from_dict(data, source="array.toml")
+    summary = train(array)
+    for job in array.jobs:
+        lr = job.optimizer.lr
+        alone_cfg = _config(tmp_path, f"alone-{job.index}", data={"microbatches": 1},
+                            optimizer={"lr": lr})  # fmt: skip
+        alone = _final(train(alone_cfg).run_dir)
+        _bitwise(_final(summary.run_dir, job.index), alone)
+        _close(alone, _plain_loop(alone_cfg, lr=lr))
+
+
+def test_a_factory_error_names_the_config(tmp_path: Path) -> None:
+    data = copy.deepcopy(BASE)
+    data["model"]["factory"] = f"{FACTORY}:build_shared"
+    data["model"]["config"] = {}
+    with pytest.raises(PlanError, match=r"bad\.toml: .*share a parameter"):
+        RunConfig.from_dict(data, source="bad.toml")
+    data["model"] = {"factory": f"{FACTORY}:build", "config": {"colour": 1}}
+    with pytest.raises(PlanError, match=r"bad\.toml: \[model\.config\] does not fit"):
+        RunConfig.from_dict(data, source="bad.toml")
