@@ -229,7 +229,8 @@ ERRORS = [
     (
         _set("optimizer", lrr=0.1),
         "[optimizer].lrr is not a field "
-        "(allowed: name, lr, momentum, weight_decay, nesterov, betas, eps)",
+        "(allowed: name, lr, momentum, weight_decay, nesterov, betas, eps, schedule, warmup, "
+        "decay_iterations, min_lr_ratio, step_every, gamma)",
     ),
     (
         _set("traning", iterations=3),

@@ -243,6 +243,7 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
             {"jobs": [{"lr": 0.1, "dropout": 0.1}]},
             {},
             "(allowed: name, lr, batch_size, weight_decay, momentum, optimizer, seed, data_seed, "
+            "schedule, warmup, decay_iterations, min_lr_ratio, step_every, gamma, "
             "nesterov, betas, eps)",
         ),
     ],

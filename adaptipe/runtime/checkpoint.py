@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
+from adaptipe.runtime.recipe import STEP_KEY
 from adaptipe.serial import new_file_mode
 
 __all__ = [
@@ -145,8 +146,9 @@ def _check_shape(key: str, expected: tuple[int, ...], found: Tensor) -> None:
 
 
 def _to_param(key: str, value: Tensor, param: Tensor) -> Tensor:
-    """A copy placed as torch's Optimizer.load_state_dict would: `step` stays on the CPU."""
-    if key == "step":
+    """A copy placed as torch's Optimizer.load_state_dict would: `step` (and a
+    schedule's step count, `STEP_KEY`) stays on the CPU."""
+    if key in ("step", STEP_KEY):
         return value.clone()
     dtype = param.dtype if value.is_floating_point() and param.is_floating_point() else None
     return value.to(device=param.device, dtype=dtype, copy=True)

@@ -57,15 +57,15 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from adaptipe.errors import PlanError
 from adaptipe.models import MODEL_NAMES, ModelSpec, get_model
 from adaptipe.plan.api import PLANNERS
-from adaptipe.plan.partition import Partition
 from adaptipe.runtime.adapt_config import AdaptSection, parse_adapt
+from adaptipe.runtime.config_checks import check_cross
 from adaptipe.runtime.config_sections import (
     DataSection,
     ModelSection,
@@ -76,7 +76,7 @@ from adaptipe.runtime.config_sections import (
 )
 from adaptipe.runtime.host import fit_to_host, resolve_backend, this_host
 from adaptipe.runtime.sweep import JobSpec, SweepSection, parse_sweep
-from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_json, read_text
+from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str, read_text
 from adaptipe.units import parse_bandwidth
 
 __all__ = [
@@ -268,7 +268,7 @@ def _parse(
     # The data order follows the run's seed unless [data].seed says otherwise.
     seed = {} if "seed" in raw else {"seed": train.seed}
     data_section = _read(DataSection, raw, source, "data", **seed)
-    read_optimizer = functools.partial(_optimizer, strict=strict)
+    read_optimizer = functools.partial(_optimizer, strict=strict, iterations=train.iterations)
     optimizer = read_optimizer(_table(data, "optimizer", OptimizerSection, source), source)
     sweep = None
     if "sweep" in data:
@@ -318,7 +318,7 @@ def _parse(
         adapt=adapt,
         source=source,
     )
-    _check_cross(config, spec)
+    check_cross(config, spec)
     return config
 
 
@@ -362,7 +362,9 @@ def _user_model(
     return ModelSection(name=name, config=dict(options), factory=resolved), spec
 
 
-def _optimizer(raw: Mapping[str, Any], source: str, *, strict: bool = True) -> OptimizerSection:
+def _optimizer(
+    raw: Mapping[str, Any], source: str, *, strict: bool = True, iterations: int | None = None
+) -> OptimizerSection:
     betas = get_list(raw, "betas", source=source, prefix="[optimizer].", default=[0.9, 0.999])
     if len(betas) != 2 or not all(
         isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
@@ -382,6 +384,25 @@ def _optimizer(raw: Mapping[str, Any], source: str, *, strict: bool = True) -> O
         raise _fail(source, "[optimizer].momentum", f"must be in [0, 1) (got {opt.momentum})")
     if opt.nesterov and opt.momentum == 0.0:
         raise _fail(source, "[optimizer].nesterov", "needs momentum > 0 (got momentum = 0.0)")
+    return _schedule_checked(opt, source, iterations)
+
+
+def _schedule_checked(
+    opt: OptimizerSection, source: str, iterations: int | None
+) -> OptimizerSection:
+    """A cosine decay without ``decay_iterations`` lasts the run; the schedule's own
+    checks (`LrSchedule`) name the file."""
+    if opt.schedule == "cosine" and opt.decay_iterations == 0:
+        if iterations is None:
+            raise _fail(
+                source, "[optimizer].decay_iterations",
+                "must be set for a cosine schedule when [train] counts epochs",
+            )  # fmt: skip
+        opt = replace(opt, decay_iterations=iterations)
+    try:
+        opt.lr_schedule()
+    except PlanError as exc:
+        raise _fail(source, "[optimizer]", str(exc)) from None
     return opt
 
 
@@ -425,86 +446,3 @@ def _train(raw: Mapping[str, Any], source: str, stem: str, stages: int) -> Train
     if backend == "nccl" and device == "cpu":
         raise _fail(source, "[train].backend", "'nccl' needs a cuda device (got device 'cpu')")
     return train
-
-
-def _check_cross(config: RunConfig, spec: ModelSpec) -> None:
-    """Checks across sections: everything a run would otherwise trip over after starting."""
-    src, data, pipe = config.source, config.data, config.pipeline
-    if config.sweep is not None:
-        # A job-array runs each job's whole mini-batch as one block; its order comes from
-        # the JAPSP solver, not from [pipeline].schedule.
-        if data.microbatches != 1:
-            raise _fail(
-                src, "[data].microbatches", f"must be 1 with a [sweep] (got {data.microbatches})"
-            )
-        if pipe.virtual != 1:
-            raise _fail(
-                src,
-                "[pipeline].virtual",
-                f"must be 1 with a [sweep]: a job's block is its whole stage (got {pipe.virtual})",
-            )
-        if pipe.batch_weight_grads:
-            raise _fail(
-                src,
-                "[pipeline].batch_weight_grads",
-                "has nothing to batch with a [sweep]: each job's mini-batch is one block",
-            )
-        if pipe.stages > spec.num_layers:
-            raise _fail(
-                src,
-                "[pipeline].stages",
-                f"must be <= the {spec.num_layers} layers of {spec.name!r}",
-            )
-        _check_partition(config, spec, pipe.stages)
-        return
-    if data.batch_size % data.microbatches:
-        raise _fail(
-            src,
-            "[data].microbatches",
-            f"must divide batch_size {data.batch_size} (got {data.microbatches})",
-        )
-    if pipe.batch_weight_grads and pipe.schedule in ("pipedream", "2bw"):
-        raise _fail(
-            src,
-            "[pipeline].batch_weight_grads",
-            f"needs a synchronous schedule (gpipe, 1f1b, interleaved; got {pipe.schedule!r})",
-        )
-    try:
-        pipe.schedule_for(data.microbatches)  # kept for `resolve_plans`
-    except PlanError as exc:
-        raise PlanError(f"{src}: [pipeline]: {exc}") from None
-    total = pipe.stages * pipe.virtual
-    if total > spec.num_layers:
-        raise _fail(
-            src,
-            "[pipeline].stages",
-            f"times virtual ({pipe.stages} x {pipe.virtual} = {total}) must be <= the "
-            f"{spec.num_layers} layers of model {spec.name!r}",
-        )
-    _check_partition(config, spec, total)
-
-
-def _check_partition(config: RunConfig, spec: ModelSpec, total: int) -> None:
-    src, pipe = config.source, config.pipeline
-    if pipe.partition in PLANNERS:
-        return
-    try:
-        if isinstance(pipe.partition, tuple):
-            part = Partition(model=spec.name, num_layers=spec.num_layers, bounds=pipe.partition)
-        else:
-            part = Partition.from_json(read_json(pipe.partition), source=pipe.partition)
-    except PlanError as exc:
-        raise PlanError(f"{src}: [pipeline].partition: {exc}") from None
-    if (part.model, part.num_layers) != (spec.name, spec.num_layers):
-        raise _fail(
-            src,
-            "[pipeline].partition",
-            f"covers {part.num_layers} layers of model {part.model!r} but the config's model "
-            f"{spec.name!r} has {spec.num_layers}",
-        )
-    if part.num_stages != total:
-        raise _fail(
-            src,
-            "[pipeline].partition",
-            f"has {part.num_stages} stages but stages x virtual = {total}",
-        )

@@ -17,6 +17,7 @@ import torch
 from adaptipe.errors import PlanError
 from adaptipe.models import ModelSpec, get_model
 from adaptipe.models.spec import SPLITS, Split
+from adaptipe.runtime.recipe import SCHEDULES, LrSchedule, attach_schedule
 from adaptipe.runtime.sweep import OPTIMIZER_FIELDS
 from adaptipe.schedule.build import SCHEDULE_NAMES, build_schedule
 from adaptipe.schedule.types import Schedule
@@ -78,16 +79,44 @@ class OptimizerSection:
     nesterov: bool = False
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = field(default=1e-8, metadata=_rule(positive=True))
+    # The learning-rate schedule (`adaptipe.runtime.recipe.LrSchedule`), in optimizer
+    # steps: one per iteration on synchronous schedules.
+    schedule: str = field(default="constant", metadata=_rule(choices=SCHEDULES))
+    warmup: int = field(default=0, metadata=_rule(minimum=0))
+    decay_iterations: int = field(default=0, metadata=_rule(minimum=0))  # cosine; 0: the run's
+    min_lr_ratio: float = field(default=0.0, metadata=_rule(minimum=0.0))
+    step_every: int = field(default=0, metadata=_rule(minimum=0))
+    gamma: float = field(default=0.1, metadata=_rule(positive=True))
+
+    def lr_schedule(self) -> LrSchedule | None:
+        """The schedule, None for a constant rate without warm-up."""
+        if self.schedule == "constant" and self.warmup == 0:
+            return None
+        return LrSchedule(
+            kind=self.schedule,  # type: ignore[arg-type]  # checked against SCHEDULES
+            warmup=self.warmup,
+            total=self.decay_iterations,
+            min_lr_ratio=self.min_lr_ratio,
+            step_every=self.step_every,
+            gamma=self.gamma,
+        )
 
     def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The optimizer; ``foreach=False`` so that one optimizer over many parameters and
-        one per parameter (a pipeline split any way) give bitwise identical updates."""
+        one per parameter (a pipeline split any way) give bitwise identical updates. A
+        schedule sets the rate before each step from the optimizer's own step count
+        (`adaptipe.runtime.recipe.attach_schedule`), which travels with its state."""
         common: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.name == "sgd":
             extra: dict[str, Any] = {"momentum": self.momentum, "nesterov": self.nesterov}
-            return torch.optim.SGD(params, foreach=False, **common, **extra)
-        kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
-        return kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
+            opt: torch.optim.Optimizer = torch.optim.SGD(params, foreach=False, **common, **extra)
+        else:
+            kind = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
+            opt = kind(params, betas=self.betas, eps=self.eps, foreach=False, **common)
+        schedule = self.lr_schedule()
+        if schedule is not None:
+            attach_schedule(opt, schedule, base_lr=self.lr)
+        return opt
 
     @property
     def profile_kind(self) -> str:

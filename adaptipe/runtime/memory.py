@@ -29,6 +29,7 @@ from torch import Tensor
 
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.movers import CpuMover, CudaMover, Pending, StateKey
+from adaptipe.runtime.recipe import STEP_KEY
 from adaptipe.schedule.types import Backward, Forward, Instruction, Recompute
 
 __all__ = ["MemoryManager", "block_order", "minimum_budget"]
@@ -434,8 +435,13 @@ class MemoryManager:
                 if opt is None:
                     continue
                 for key, value in opt.state.get(p, {}).items():
-                    # A non-capturable optimizer keeps its step count on the CPU.
-                    if isinstance(value, Tensor) and (key != "step" or moves_step):
+                    # A non-capturable optimizer keeps its step count on the CPU, and a
+                    # schedule keeps its own there always (`recipe.STEP_KEY`).
+                    if (
+                        isinstance(value, Tensor)
+                        and key != STEP_KEY
+                        and (key != "step" or moves_step)
+                    ):
                         out[("state", index, name, str(key))] = value
         return out
 

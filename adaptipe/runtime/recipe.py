@@ -21,16 +21,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from adaptipe.errors import PlanError
 
 __all__ = [
     "SCHEDULES",
+    "STEP_KEY",
     "LrSchedule",
+    "attach_schedule",
     "clip_coefficient",
     "global_norm",
     "layer_sq_norm",
@@ -84,6 +86,40 @@ class LrSchedule:
 
     def lr(self, base: float, iteration: int) -> float:
         return base * self.factor(iteration)
+
+
+STEP_KEY = "schedule_step"
+"""The optimizer-state key of a scheduled optimizer's step count: a CPU tensor in the
+state of each group's first parameter, so checkpoints, migrations and job-state moves
+carry it like any other state (and it stays on the CPU, as torch keeps ``step``)."""
+
+
+def attach_schedule(
+    optimizer: torch.optim.Optimizer, schedule: LrSchedule, *, base_lr: float
+) -> None:
+    """Set every group's rate to ``base_lr * schedule.factor(n)`` before each step, n
+    being the steps this optimizer has taken (kept in its state under `STEP_KEY`)."""
+
+    def counter(group: dict[str, Any]) -> Tensor | None:
+        params = group["params"]
+        return optimizer.state[params[0]].get(STEP_KEY) if params else None
+
+    def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            done = counter(group)
+            group["lr"] = schedule.lr(base_lr, int(done) if done is not None else 0)
+
+    def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            if group["params"]:
+                state = opt.state[group["params"][0]]
+                done = state.get(STEP_KEY)
+                state[STEP_KEY] = torch.tensor(int(done) + 1 if done is not None else 1)
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+    for group in optimizer.param_groups:  # what the first step will use
+        group["lr"] = schedule.lr(base_lr, 0)
 
 
 def layer_sq_norm(layer: nn.Module) -> float:

@@ -23,7 +23,8 @@ A grid's jobs are named by the axes that vary (``lr=0.001,batch_size=32`` with t
 above); ``adaptipe stop`` takes a name or a job's index.
 
 Fields a job may set: name, lr, batch_size, weight_decay, momentum, optimizer, seed,
-data_seed (and, in ``[[sweep.jobs]]``, nesterov, betas, eps); the rest comes from
+data_seed, the learning-rate schedule's (schedule, warmup, decay_iterations,
+min_lr_ratio, step_every, gamma) and, in ``[[sweep.jobs]]``, nesterov, betas, eps; the rest comes from
 ``[optimizer]``, ``[data]`` and ``[train].seed``. A job sets only the fields its own
 optimizer uses (`OPTIMIZER_FIELDS`: momentum and nesterov are sgd's, betas and eps
 adam's and adamw's); another optimizer's field is an error unless it holds the value the
@@ -80,7 +81,14 @@ JOB_FIELDS = (
     "optimizer",
     "seed",
     "data_seed",
+    "schedule",
+    "warmup",
+    "decay_iterations",
+    "min_lr_ratio",
+    "step_every",
+    "gamma",
 )
+_SCHEDULE = ("schedule", "warmup", "decay_iterations", "min_lr_ratio", "step_every", "gamma")
 _JOB_ONLY_FIELDS = ("nesterov", "betas", "eps")  # [[sweep.jobs]] only, not grid axes
 # The optimizers and the fields each reads besides lr and weight_decay
 # (`OptimizerSection.build`); [optimizer].name takes these names.
@@ -301,7 +309,7 @@ def _job(
             opt["momentum"], opt["nesterov"] = 0.0, False
     if strict:
         _check_used(entry, where, source, opt)
-    for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps"):
+    for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps", *_SCHEDULE):
         if key in entry:
             opt[key] = entry[key]
     try:
