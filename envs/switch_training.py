@@ -17,14 +17,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from adaptipe.controllers.artifacts import shipped
 from adaptipe.controllers.switch_policy import (
+    DEFAULT_STAGES,
     ENV_ID,
-    MODEL,
     Progress,
     TrainSettings,
     from_sb3,
     save_switch,
+    switch_artifact,
 )
 from adaptipe.envs.heldout import TRAINING_FAMILIES
 from adaptipe.errors import PlanError
@@ -88,10 +88,16 @@ def _printer(done: int, total: int) -> None:
 
 
 def learn(
-    *, seed: int, timesteps: int, progress: bool | Progress, n_envs: int, settings: TrainSettings
+    *,
+    seed: int,
+    timesteps: int,
+    progress: bool | Progress,
+    n_envs: int,
+    settings: TrainSettings,
+    stages: int = DEFAULT_STAGES,
 ) -> tuple[PPO, RunningMeanStd | None, dict[str, Any]]:
-    """Train; the model, VecNormalize's observation statistics (None without) and the
-    episodes' settings."""
+    """Train on ``stages``-stage episodes; the model, VecNormalize's observation
+    statistics (None without) and the episodes' settings."""
     from stable_baselines3 import PPO
     from stable_baselines3.common.utils import set_random_seed
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
@@ -102,7 +108,7 @@ def learn(
     if timesteps < 1 or n_envs < 1:
         raise PlanError(f"train switch: timesteps and n_envs must be >= 1 ({timesteps}, {n_envs})")
     set_random_seed(seed)
-    episode = EpisodeSettings()
+    episode = EpisodeSettings(stages=stages)
     venv: Any = DummyVecEnv(
         [lambda: ScaledReward(gym.make(ENV_ID, settings=episode)) for _ in range(n_envs)]
     )
@@ -145,34 +151,46 @@ def train_switch(
     progress: bool | Progress = True,
     n_envs: int = 4,
     settings: TrainSettings = TrainSettings(),  # noqa: B008 (frozen: a safe default)
+    stages: int = DEFAULT_STAGES,
 ) -> Path:
     """Train the switch policy with PPO and save it as an artifact in ``out`` (default:
-    the shipped folder). Seeded: the same arguments give the same weights.
+    the shipped folder for ``stages``, `switch_artifact`). Seeded: the same arguments
+    give the same weights.
 
     Args:
+        stages: the pipeline's stages; a policy reads and acts for one stage count.
         timesteps: environment steps in all (about 7 ms each here).
         progress: True for a progress bar (SB3's, or printed lines without tqdm and
             rich), a callable for ``(done, total)`` calls, False for none.
         n_envs: environments stepped in lockstep (one process).
     """
     torch.set_num_threads(1)
+    target = out if out is not None else switch_artifact(stages)  # refused before training
     start = time.perf_counter()
     model, obs_rms, env_settings = learn(
-        seed=seed, timesteps=timesteps, progress=progress, n_envs=n_envs, settings=settings
+        seed=seed,
+        timesteps=timesteps,
+        progress=progress,
+        n_envs=n_envs,
+        settings=settings,
+        stages=stages,
     )
     policy = from_sb3(model, obs_rms, env_settings, hidden=settings.hidden)
-    training = training_metadata(seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings)
+    training = training_metadata(
+        seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings, stages=stages
+    )
     training["seconds"] = round(time.perf_counter() - start, 1)
-    return save_switch(policy, out if out is not None else shipped(MODEL), training=training)
+    return save_switch(policy, target, training=training)
 
 
 def training_metadata(
-    *, seed: int, timesteps: int, n_envs: int, settings: TrainSettings
+    *, seed: int, timesteps: int, n_envs: int, settings: TrainSettings, stages: int
 ) -> dict[str, Any]:
     """What `train_switch` records of how the policy was made (all but its seconds)."""
     return {
         "algorithm": "PPO (stable-baselines3 MlpPolicy)",
         "env": ENV_ID,
+        "stages": stages,
         "seed": seed,
         "timesteps": timesteps,
         "n_envs": n_envs,
