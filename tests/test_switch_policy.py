@@ -42,8 +42,8 @@ def tiny() -> tuple[Any, Any, dict[str, Any]]:
     return learn(seed=3, timesteps=128, progress=False, n_envs=2, settings=TINY)
 
 
-def _observations(n_episodes: int = 2, *, stages: int = 4) -> np.ndarray:
-    env = gym.make(ENV_ID, settings=EpisodeSettings(stages=stages))
+def _observations(n_episodes: int = 2, *, stages: int = 4, model: str = "gpt") -> np.ndarray:
+    env = gym.make(ENV_ID, settings=EpisodeSettings(stages=stages, model=model))
     rows = []
     for e in range(n_episodes):
         obs, _ = env.reset(seed=100 + e)
@@ -72,15 +72,20 @@ def test_the_artifact_acts_as_the_trained_ppo(tiny: Any, tmp_path: Path) -> None
 def test_a_2_stage_artifact_acts_as_the_trained_ppo(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     model, obs_rms, env = learn(
-        seed=4, timesteps=128, progress=False, n_envs=2, settings=TINY, stages=2
-    )
+        seed=4, timesteps=128, progress=False, n_envs=2, settings=TINY, stages=2,
+        models=("gpt", "cnn"),
+    )  # fmt: skip
+    venv = model.get_env()
+    assert [e.unwrapped.settings.model for e in venv.venv.envs] == ["gpt", "cnn"]
     root = save_switch(from_sb3(model, obs_rms, env, hidden=TINY.hidden), tmp_path / "s2",
                        training={"seed": 4})  # fmt: skip
     policy = load_switch(root, stages=2)
-    obs = _observations(stages=2)
-    want, _ = model.predict(model.get_env().normalize_obs(obs), deterministic=True)
+    obs = np.concatenate([_observations(1, stages=2), _observations(1, stages=2, model="cnn")])
+    want, _ = model.predict(venv.normalize_obs(obs), deterministic=True)
     assert [policy.act(o) for o in obs] == [int(a) for a in want]
-    assert policy.config.stages == 2 and policy.config.env["stages"] == 2
+    assert policy.config.stages == 2 and policy.config.env["models"] == ["gpt", "cnn"]
+    with pytest.raises(PlanError, match=r"1 to n_envs \(1\) models"):
+        learn(seed=0, timesteps=8, progress=False, n_envs=1, settings=TINY, models=("gpt", "cnn"))
 
 
 def test_a_tampered_weight_file_is_refused(tiny: Any, tmp_path: Path) -> None:
@@ -163,15 +168,19 @@ def test_the_shipped_policy_records_how_to_train_it_again(stages: int) -> None:
     art = load_artifact(root, model="switch", format=FORMAT)
     t = dict(art.training)
     config = SwitchConfig.from_json(art.json("config.json"))
-    again = training_metadata(
-        seed=t["seed"],
-        timesteps=t["timesteps"],
-        n_envs=t["n_envs"],
-        settings=TrainSettings(),
-        stages=config.stages,
-    )
-    if stages == 4:  # trained before the stage count was recorded: its config has it
-        again.pop("stages")
+    kwargs: dict[str, Any] = {
+        "seed": t["seed"],
+        "timesteps": t["timesteps"],
+        "n_envs": t["n_envs"],
+        "settings": TrainSettings(),
+        "stages": config.stages,
+    }
+    again = training_metadata(**kwargs)
+    if stages == 4:  # trained before stages and models were recorded: its config has them
+        again.pop("stages"), again.pop("models")
+    else:  # one policy for the bench's CNN and the demo's GPT
+        again = training_metadata(**(kwargs | {"models": ("gpt", "cnn")}))
+        assert config.env["models"] == ["gpt", "cnn"]
     assert {k: v for k, v in t.items() if k != "seconds"} == again
     assert config.stages == config.env["stages"] == stages and config.hidden == (32, 16)
     assert sum(p.stat().st_size for p in root.iterdir()) < 300_000

@@ -286,6 +286,11 @@ def _add_train(actions: Actions) -> None:
         help="switch: the pipeline's stages (default 4; 2 and 4 are shipped)",
     )
     p.add_argument(
+        "--models",
+        default="gpt",
+        help="switch: comma-separated zoo models the episodes train (default gpt)",
+    )
+    p.add_argument(
         "--data",
         action="append",
         default=[],
@@ -307,7 +312,10 @@ def _run_train(args: argparse.Namespace) -> int:
         from adaptipe.envs.switch_training import train_switch
 
         extra = {"timesteps": args.timesteps} if args.timesteps else {}
-        path = train_switch(seed=args.seed, out=out, progress=True, stages=args.stages, **extra)
+        models = tuple(m for m in args.models.split(",") if m)
+        path = train_switch(
+            seed=args.seed, out=out, progress=True, stages=args.stages, models=models, **extra
+        )
     else:
         from adaptipe.envs.interference_train import train_interference
 
