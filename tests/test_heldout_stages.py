@@ -46,3 +46,12 @@ def test_a_stage_count_without_a_held_out_set_is_refused_with_the_ones_there_are
         PlanError, match=r"no held-out set for 3 stages \(there are sets for 2, 4\)"
     ):
         manifest_for(3)
+
+
+def test_eval_on_a_stage_count_without_a_held_out_set_says_which_there_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from adaptipe.cli import main
+
+    assert main(["controllers", "eval", "--stages", "3", "--no-tune"]) != 0
+    assert "no held-out set for 3 stages (there are sets for 2, 4)" in capsys.readouterr().err
