@@ -27,6 +27,10 @@ from typing import Any
 __all__ = ["DEMO_CONTROLLER", "DemoResult", "Phase", "adaptive_demo", "phase_table"]
 
 DEMO_CONTROLLER = "threshold"
+# Not "ppo", though a 2-stage policy is shipped: in this demo it moved between cuts 4 and
+# 5 at every check from iteration 2 on (9 moves; threshold: 1, after the onset), and
+# after the slowdown it reached 1.38x of its static run against threshold's 1.65x
+# (loaded machine, docs/benchmarks.md).
 _LRS = (3e-4, 6e-4, 1e-3, 1.5e-3)
 
 

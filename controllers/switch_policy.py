@@ -55,6 +55,7 @@ __all__ = [
     "from_sb3",
     "load_switch",
     "save_switch",
+    "switch_artifact",
 ]
 
 ENV_ID = "adaptipe/PipelineSwitch-v0"
@@ -62,6 +63,25 @@ MODEL = "switch"
 FORMAT = 1
 WEIGHTS, CONFIG = "weights.safetensors", "config.json"
 Progress = Callable[[int, int], None]
+SHIPPED_STAGES = {4: MODEL, 2: f"{MODEL}-2stages"}
+"""The shipped policies: per stage count, its folder under ``controllers/artifacts``."""
+DEFAULT_STAGES = 4  # the environments' default pipeline, and the first policy shipped
+
+
+def switch_artifact(stages: int | None = None) -> Path:
+    """The shipped policy's folder for ``stages`` stages (None: the default, 4).
+
+    Raises:
+        PlanError: no policy is shipped for ``stages``; the message names those that are.
+    """
+    n = DEFAULT_STAGES if stages is None else stages
+    if n not in SHIPPED_STAGES:
+        have = ", ".join(str(k) for k in sorted(SHIPPED_STAGES))
+        raise PlanError(
+            f"no shipped switch policy for {n} stages (shipped: {have} stages); "
+            f"`adaptipe controllers train switch --stages {n} --out DIR` trains one"
+        )
+    return shipped(SHIPPED_STAGES[n])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,18 +200,18 @@ def save_switch(
 
 
 def load_switch(path: str | Path | None = None, *, stages: int | None = None) -> SwitchPolicy:
-    """The policy in the artifact at ``path`` (default: the shipped one), built fresh
-    from its config and loaded from its safetensors; refused if the files were changed,
-    the config does not match this adaptipe's encoder or the weights' shapes, or
-    ``stages`` is given and differs from the policy's."""
-    root = Path(path) if path is not None else shipped(MODEL)
+    """The policy in the artifact at ``path`` (default: the shipped one for ``stages``,
+    `switch_artifact`), built fresh from its config and loaded from its safetensors;
+    refused if the files were changed, the config does not match this adaptipe's
+    encoder or the weights' shapes, or ``stages`` is given and differs from the
+    policy's."""
+    root = Path(path) if path is not None else switch_artifact(stages)
     art = load_artifact(root, model=MODEL, format=FORMAT)
     config = SwitchConfig.from_json(art.json(CONFIG))
     if stages is not None and stages != config.stages:
         raise PlanError(
             f"{root}: the switch policy was trained for {config.stages} stages, the pipeline "
-            f"has {stages}; `adaptipe controllers train switch` trains for the environments' "
-            f"{config.stages}-stage default only so far: use another controller here"
+            f"has {stages}; `adaptipe controllers train switch --stages {stages}` trains one"
         )
     policy = SwitchPolicy(config)
     tensors = load_tensors(art.files[WEIGHTS])

@@ -32,16 +32,31 @@ __all__ = [
     "TRAINING_FAMILIES",
     "heldout_traces",
     "manifest_digest",
+    "manifest_for",
     "write_manifest",
 ]
 
 MANIFEST = Path(__file__).parent / "heldout" / "manifest.json"
+"""The 4-stage set (the environments' default pipeline)."""
+MANIFESTS = {4: MANIFEST, 2: MANIFEST.with_name("manifest-2stages.json")}
+"""Per stage count, its held-out set: the 2-stage one (same families and seeds) was
+committed before the 2-stage switch policy was trained."""
 MANIFEST_KIND = "adaptipe-heldout"
 HELD_OUT_SEED = 1_000_000
 """Training seeds are below this; held-out seeds at or above it."""
 HELD_OUT_FAMILIES = ("colocated",)
 TRAINING_FAMILIES = ("bandwidth-steps", "poisson-light", "poisson-heavy", "preemption", "mixture")
 ALL_FAMILIES = (*TRAINING_FAMILIES, *HELD_OUT_FAMILIES)
+
+
+def manifest_for(stages: int) -> Path:
+    """The held-out manifest of ``stages``-stage traces."""
+    if stages not in MANIFESTS:
+        raise PlanError(
+            f"no held-out set for {stages} stages (there are sets for "
+            f"{', '.join(str(s) for s in sorted(MANIFESTS))}); `write_manifest` makes one"
+        )
+    return MANIFESTS[stages]
 
 
 def _generate(entry: dict[str, Any]) -> Trace:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsFloat
@@ -17,14 +18,14 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from adaptipe.controllers.artifacts import shipped
 from adaptipe.controllers.switch_policy import (
+    DEFAULT_STAGES,
     ENV_ID,
-    MODEL,
     Progress,
     TrainSettings,
     from_sb3,
     save_switch,
+    switch_artifact,
 )
 from adaptipe.envs.heldout import TRAINING_FAMILIES
 from adaptipe.errors import PlanError
@@ -87,11 +88,24 @@ def _printer(done: int, total: int) -> None:
     print(f"train switch: {done}/{total} timesteps ({100 * done / total:.0f}%)", flush=True)
 
 
+def _maker(episode: EpisodeSettings) -> Callable[[], gym.Env]:
+    return lambda: ScaledReward(gym.make(ENV_ID, settings=episode))
+
+
 def learn(
-    *, seed: int, timesteps: int, progress: bool | Progress, n_envs: int, settings: TrainSettings
+    *,
+    seed: int,
+    timesteps: int,
+    progress: bool | Progress,
+    n_envs: int,
+    settings: TrainSettings,
+    stages: int = DEFAULT_STAGES,
+    models: tuple[str, ...] = ("gpt",),
 ) -> tuple[PPO, RunningMeanStd | None, dict[str, Any]]:
-    """Train; the model, VecNormalize's observation statistics (None without) and the
-    episodes' settings."""
+    """Train on ``stages``-stage episodes of ``models`` (environment ``i`` trains
+    ``models[i % len(models)]``: the observation reads the same for every model, so one
+    policy can serve several); the model, VecNormalize's observation statistics (None
+    without) and the episodes' settings (the first model's, with ``models`` when more)."""
     from stable_baselines3 import PPO
     from stable_baselines3.common.utils import set_random_seed
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
@@ -101,11 +115,11 @@ def learn(
 
     if timesteps < 1 or n_envs < 1:
         raise PlanError(f"train switch: timesteps and n_envs must be >= 1 ({timesteps}, {n_envs})")
+    if not models or len(models) > n_envs:
+        raise PlanError(f"train switch: 1 to n_envs ({n_envs}) models (got {list(models)})")
     set_random_seed(seed)
-    episode = EpisodeSettings()
-    venv: Any = DummyVecEnv(
-        [lambda: ScaledReward(gym.make(ENV_ID, settings=episode)) for _ in range(n_envs)]
-    )
+    episodes = [EpisodeSettings(stages=stages, model=m) for m in models]
+    venv: Any = DummyVecEnv([_maker(episodes[i % len(episodes)]) for i in range(n_envs)])
     if settings.obs_norm:
         venv = VecNormalize(venv, norm_obs=True, norm_reward=False, gamma=settings.gamma)
     bar = progress is True and all(importlib.util.find_spec(m) for m in ("tqdm", "rich"))
@@ -132,8 +146,10 @@ def learn(
     )
     model.learn(total_timesteps=timesteps, callback=callback, progress_bar=bar)
     obs_rms = venv.obs_rms if settings.obs_norm else None
-    env = {k: v for k, v in asdict(episode).items() if k != "cost"}
-    env["cost"] = episode.cost.to_json()
+    env = {k: v for k, v in asdict(episodes[0]).items() if k != "cost"}
+    env["cost"] = episodes[0].cost.to_json()
+    if len(models) > 1:
+        env["models"] = list(models)
     return model, obs_rms, env
 
 
@@ -145,34 +161,57 @@ def train_switch(
     progress: bool | Progress = True,
     n_envs: int = 4,
     settings: TrainSettings = TrainSettings(),  # noqa: B008 (frozen: a safe default)
+    stages: int = DEFAULT_STAGES,
+    models: tuple[str, ...] = ("gpt",),
 ) -> Path:
     """Train the switch policy with PPO and save it as an artifact in ``out`` (default:
-    the shipped folder). Seeded: the same arguments give the same weights.
+    the shipped folder for ``stages``, `switch_artifact`). Seeded: the same arguments
+    give the same weights.
 
     Args:
+        stages: the pipeline's stages; a policy reads and acts for one stage count.
+        models: the zoo models (`adaptipe.envs.episode.MODELS`) the episodes train.
         timesteps: environment steps in all (about 7 ms each here).
         progress: True for a progress bar (SB3's, or printed lines without tqdm and
             rich), a callable for ``(done, total)`` calls, False for none.
         n_envs: environments stepped in lockstep (one process).
     """
     torch.set_num_threads(1)
+    target = out if out is not None else switch_artifact(stages)  # refused before training
     start = time.perf_counter()
     model, obs_rms, env_settings = learn(
-        seed=seed, timesteps=timesteps, progress=progress, n_envs=n_envs, settings=settings
+        seed=seed,
+        timesteps=timesteps,
+        progress=progress,
+        n_envs=n_envs,
+        settings=settings,
+        stages=stages,
+        models=models,
     )
     policy = from_sb3(model, obs_rms, env_settings, hidden=settings.hidden)
-    training = training_metadata(seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings)
+    training = training_metadata(
+        seed=seed, timesteps=timesteps, n_envs=n_envs, settings=settings, stages=stages,
+        models=models,
+    )  # fmt: skip
     training["seconds"] = round(time.perf_counter() - start, 1)
-    return save_switch(policy, out if out is not None else shipped(MODEL), training=training)
+    return save_switch(policy, target, training=training)
 
 
 def training_metadata(
-    *, seed: int, timesteps: int, n_envs: int, settings: TrainSettings
+    *,
+    seed: int,
+    timesteps: int,
+    n_envs: int,
+    settings: TrainSettings,
+    stages: int,
+    models: tuple[str, ...] = ("gpt",),
 ) -> dict[str, Any]:
     """What `train_switch` records of how the policy was made (all but its seconds)."""
     return {
         "algorithm": "PPO (stable-baselines3 MlpPolicy)",
         "env": ENV_ID,
+        "stages": stages,
+        "models": list(models),
         "seed": seed,
         "timesteps": timesteps,
         "n_envs": n_envs,

@@ -431,9 +431,10 @@ def test_every_named_controller_is_built_from_adapt(name: str) -> None:
 def test_the_ppo_policy_for_another_stage_count_is_refused_before_workers_start(
     make_config: Callable[..., RunConfig],
 ) -> None:
-    cfg = make_config(adapt={"controller": "ppo"})  # 2 stages; the policy knows 4
+    # 3 stages: policies are shipped for 2 and 4
+    cfg = make_config(adapt={"controller": "ppo"}, pipeline={"stages": 3})
     with pytest.raises(
-        PlanError, match=r"controller = 'ppo': .*trained for 4 stages, the pipeline has 2"
+        PlanError, match=r"controller = 'ppo': no shipped switch policy for 3 stages"
     ):
         train(cfg, decider=live_decider)
     assert not (Path(cfg.train.run_dir) / "stages").exists()

@@ -24,7 +24,9 @@ from adaptipe.controllers.switch_policy import (
     from_sb3,
     load_switch,
     save_switch,
+    switch_artifact,
 )
+from adaptipe.envs.episode import EpisodeSettings
 from adaptipe.envs.evaluate import run_controller
 from adaptipe.envs.generators import generate
 from adaptipe.envs.gym_envs import PipelineSwitch
@@ -40,8 +42,8 @@ def tiny() -> tuple[Any, Any, dict[str, Any]]:
     return learn(seed=3, timesteps=128, progress=False, n_envs=2, settings=TINY)
 
 
-def _observations(n_episodes: int = 2) -> np.ndarray:
-    env = gym.make(ENV_ID)
+def _observations(n_episodes: int = 2, *, stages: int = 4, model: str = "gpt") -> np.ndarray:
+    env = gym.make(ENV_ID, settings=EpisodeSettings(stages=stages, model=model))
     rows = []
     for e in range(n_episodes):
         obs, _ = env.reset(seed=100 + e)
@@ -65,6 +67,25 @@ def test_the_artifact_acts_as_the_trained_ppo(tiny: Any, tmp_path: Path) -> None
     got = [policy.act(o) for o in obs]
     assert got == [int(a) for a in want]
     assert set(got) <= {0, 1} and policy.config.hidden == (32, 16)
+
+
+def test_a_2_stage_artifact_acts_as_the_trained_ppo(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    model, obs_rms, env = learn(
+        seed=4, timesteps=128, progress=False, n_envs=2, settings=TINY, stages=2,
+        models=("gpt", "cnn"),
+    )  # fmt: skip
+    venv = model.get_env()
+    assert [e.unwrapped.settings.model for e in venv.venv.envs] == ["gpt", "cnn"]
+    root = save_switch(from_sb3(model, obs_rms, env, hidden=TINY.hidden), tmp_path / "s2",
+                       training={"seed": 4})  # fmt: skip
+    policy = load_switch(root, stages=2)
+    obs = np.concatenate([_observations(1, stages=2), _observations(1, stages=2, model="cnn")])
+    want, _ = model.predict(venv.normalize_obs(obs), deterministic=True)
+    assert [policy.act(o) for o in obs] == [int(a) for a in want]
+    assert policy.config.stages == 2 and policy.config.env["models"] == ["gpt", "cnn"]
+    with pytest.raises(PlanError, match=r"1 to n_envs \(1\) models"):
+        learn(seed=0, timesteps=8, progress=False, n_envs=1, settings=TINY, models=("gpt", "cnn"))
 
 
 def test_a_tampered_weight_file_is_refused(tiny: Any, tmp_path: Path) -> None:
@@ -105,9 +126,23 @@ def test_a_mismatched_config_is_refused(
         load_switch(_resave(root, tmp_path / "bad", **config))
 
 
-def test_a_policy_for_other_stages_is_refused() -> None:
-    with pytest.raises(PlanError, match=r"trained for 4 stages, the pipeline has 3"):
+@pytest.mark.parametrize(
+    ("stages", "folder"), [(None, "switch"), (4, "switch"), (2, "switch-2stages")]
+)
+def test_each_stage_count_has_its_shipped_policy(stages: int | None, folder: str) -> None:
+    assert switch_artifact(stages) == shipped(folder)
+    policy = load_switch(stages=stages)
+    assert policy.config.stages == (stages or 4)
+    assert policy.config.obs_size == len(_observations(1, stages=stages or 4)[0])
+
+
+def test_a_stage_count_with_no_shipped_policy_is_refused_naming_those_there_are() -> None:
+    with pytest.raises(PlanError, match=r"no shipped switch policy for 3 stages \(shipped: 2, 4"):
+        switch_artifact(3)
+    with pytest.raises(PlanError, match=r"no shipped switch policy for 3 stages"):
         load_switch(stages=3)
+    with pytest.raises(PlanError, match=r"trained for 4 stages, the pipeline has 2"):
+        load_switch(switch_artifact(4), stages=2)
     trace = generate("poisson-light", stages=3, iterations=40, seed=0)
     from adaptipe.envs.episode import Episode, EpisodeSettings
 
@@ -127,21 +162,35 @@ def test_seeded_training_repeats_itself(tmp_path: Path) -> None:
     assert {**ma.training, "seconds": 0} == {**mb.training, "seconds": 0}
 
 
-def test_the_shipped_policy_records_how_to_train_it_again() -> None:
-    art = load_artifact(shipped("switch"), model="switch", format=FORMAT)
+@pytest.mark.parametrize("stages", [4, 2])
+def test_the_shipped_policy_records_how_to_train_it_again(stages: int) -> None:
+    root = switch_artifact(stages)
+    art = load_artifact(root, model="switch", format=FORMAT)
     t = dict(art.training)
-    again = training_metadata(
-        seed=t["seed"], timesteps=t["timesteps"], n_envs=t["n_envs"], settings=TrainSettings()
-    )
+    config = SwitchConfig.from_json(art.json("config.json"))
+    kwargs: dict[str, Any] = {
+        "seed": t["seed"],
+        "timesteps": t["timesteps"],
+        "n_envs": t["n_envs"],
+        "settings": TrainSettings(),
+        "stages": config.stages,
+    }
+    again = training_metadata(**kwargs)
+    if stages == 4:  # trained before stages and models were recorded: its config has them
+        again.pop("stages"), again.pop("models")
+    else:  # one policy for the bench's CNN and the demo's GPT
+        again = training_metadata(**(kwargs | {"models": ("gpt", "cnn")}))
+        assert config.env["models"] == ["gpt", "cnn"]
     assert {k: v for k, v in t.items() if k != "seconds"} == again
-    assert SwitchConfig.from_json(art.json("config.json")).hidden == (32, 16)
-    assert sum(p.stat().st_size for p in shipped("switch").iterdir()) < 300_000
+    assert config.stages == config.env["stages"] == stages and config.hidden == (32, 16)
+    assert sum(p.stat().st_size for p in root.iterdir()) < 300_000
 
 
-def test_learned_switch_acts_as_the_policy_did_in_the_environment() -> None:
-    policy = load_switch()
+@pytest.mark.parametrize("stages", [4, 2])
+def test_learned_switch_acts_as_the_policy_did_in_the_environment(stages: int) -> None:
+    policy = load_switch(stages=stages)
     controller = LearnedSwitch(policy)
-    env = PipelineSwitch()
+    env = PipelineSwitch(settings=EpisodeSettings(stages=stages))
     actions = []
     for seed in (7, 8):
         obs, info = env.reset(seed=seed)
@@ -155,6 +204,6 @@ def test_learned_switch_acts_as_the_policy_did_in_the_environment() -> None:
             actions.append(action)
             obs, _, done, _, info = env.step(action)
     assert len(actions) == 38
-    trace = generate("poisson-heavy", stages=4, iterations=60, seed=5)
+    trace = generate("poisson-heavy", stages=stages, iterations=60, seed=5)
     episode = run_controller(controller, trace, env.settings, seed=5)
     assert episode.done and episode.throughput() > 0

@@ -141,6 +141,9 @@ def _add_eval(actions: Actions) -> None:
     p.add_argument("--out", default="runs/controllers-eval", help="where eval.json and eval.png go")
     p.add_argument("--model", default="gpt", help="gpt, cnn or a profile .json (default gpt)")
     p.add_argument("--families", help="comma-separated: only these held-out families")
+    p.add_argument(
+        "--stages", type=int, default=4, help="the held-out set's stages (2 or 4; default 4)"
+    )
     p.add_argument("--no-tune", action="store_true", help="the baselines' default settings")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(action_func=_run_eval)
@@ -152,7 +155,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from adaptipe.envs.episode import EpisodeSettings
     from adaptipe.envs.evaluate import evaluate, plot_report
-    from adaptipe.envs.heldout import heldout_traces
+    from adaptipe.envs.heldout import heldout_traces, manifest_for
     from adaptipe.envs.trace import load_trace
     from adaptipe.envs.tuning import baseline_factories, training_traces, tune_baselines
     from adaptipe.serial import write_json
@@ -164,7 +167,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         traces = [load_trace(f) for f in files]
     else:
         wanted = args.families.split(",") if args.families else None
-        traces = heldout_traces(families=wanted)
+        traces = heldout_traces(manifest_for(args.stages), families=wanted)
     stages = {t.stages for t in traces}
     if len(stages) != 1:
         raise PlanError(f"eval: the traces have different stage counts {sorted(stages)}")
@@ -277,6 +280,17 @@ def _add_train(actions: Actions) -> None:
         "--timesteps", type=int, help="switch: PPO timesteps (default: the shipped run's)"
     )
     p.add_argument(
+        "--stages",
+        type=int,
+        default=4,
+        help="switch: the pipeline's stages (default 4; 2 and 4 are shipped)",
+    )
+    p.add_argument(
+        "--models",
+        default="gpt",
+        help="switch: comma-separated zoo models the episodes train (default gpt)",
+    )
+    p.add_argument(
         "--data",
         action="append",
         default=[],
@@ -298,7 +312,10 @@ def _run_train(args: argparse.Namespace) -> int:
         from adaptipe.envs.switch_training import train_switch
 
         extra = {"timesteps": args.timesteps} if args.timesteps else {}
-        path = train_switch(seed=args.seed, out=out, progress=True, **extra)
+        models = tuple(m for m in args.models.split(",") if m)
+        path = train_switch(
+            seed=args.seed, out=out, progress=True, stages=args.stages, models=models, **extra
+        )
     else:
         from adaptipe.envs.interference_train import train_interference
 
