@@ -75,10 +75,11 @@ def from_settings(
 
 
 def _switch_folder(stages: int | None) -> Path:
-    """The switch policy artifact for ``stages`` stages (one shipped so far)."""
-    from adaptipe.controllers.artifacts import shipped
+    """The shipped switch policy artifact for ``stages`` stages (PlanError naming the
+    stage counts shipped otherwise)."""
+    from adaptipe.controllers.switch_policy import switch_artifact
 
-    return shipped("switch")
+    return switch_artifact(stages)
 
 
 def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) -> Controller:
@@ -94,8 +95,8 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
     from adaptipe.controllers.switch_policy import load_switch
 
     torch.set_num_threads(1)  # tiny networks: a second thread only waits for a core
-    folder = _switch_folder(stages)
     try:
+        folder = _switch_folder(stages)
         policy = load_switch(folder, stages=stages)
     except PlanError as exc:
         raise PlanError(f"[adapt].controller = 'ppo': {exc}") from None
