@@ -268,13 +268,7 @@ def adaptive_demo(
             "-" if p.ratio is None else f"{p.ratio:.2f}x",
         )
     console.print(table)
-    first = phases[0].ratio
-    if first is not None and abs(first - 1) > 0.03:
-        console.print(
-            f"Before the slowdown both runs train the same plan, so their {first:.2f}x is "
-            "this machine's run-to-run difference (the second of two runs is often the "
-            "slower here); read the other rows against it."
-        )
+    _caveat(console, controller, phases[0].ratio, moves, began)
     decided = [e for e in control if e.get("event") == "decision" and e.get("acted")]
     for e, m in zip(decided, moves, strict=False):
         console.print(
@@ -289,3 +283,22 @@ def adaptive_demo(
         f"{static_dir} and {adaptive_dir}; {result.seconds:.0f} s in all"
     )
     return result
+
+
+def _caveat(
+    console: Any, controller: str, first: float | None, moves: list[dict[str, Any]], began: int
+) -> None:
+    """How to read the first row: a move before the slowdown, or the machine's noise."""
+    early = [m for m in moves if m.get("ok") and int(m["iteration"] or 0) < began]
+    if early:
+        console.print(
+            f"[yellow]The {controller} controller moved layers before the slowdown (at "
+            f"{', '.join(str(m['iteration']) for m in early)}), with nothing to recover "
+            "from: the first row measures that move, not noise.[/]"
+        )
+    elif first is not None and abs(first - 1) > 0.03:
+        console.print(
+            f"Before the slowdown both runs train the same plan, so their {first:.2f}x is "
+            "this machine's run-to-run difference (the second of two runs is often the "
+            "slower here); read the other rows against it."
+        )

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from adaptipe.errors import PlanError
 from adaptipe.models.data import Dataset, mix_seed
 
-__all__ = ["MapDataset", "collate"]
+__all__ = ["MapDataset", "collate", "with_loader"]
 
 
 def _as_tensor(value: Any, *, what: str, name: str) -> Tensor:
@@ -113,3 +113,11 @@ class MapDataset(Dataset):
         if len(self) == 0:
             raise ValueError(f"{self.name}: is empty, so it has no sample input")
         return self._items([i % len(self) for i in range(batch_size)])[0]
+
+
+def with_loader(dataset: Dataset, workers: int) -> Dataset:
+    """``dataset`` read through ``workers`` loader processes (``[data].loader_workers``):
+    a user's `MapDataset` gets them; the zoo's in-memory datasets need none."""
+    if workers and isinstance(dataset, MapDataset) and dataset.workers != workers:
+        return MapDataset(dataset.data, name=dataset.name, workers=workers)
+    return dataset

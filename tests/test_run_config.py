@@ -111,7 +111,9 @@ def test_defaults_are_filled_in(tmp_path: Path) -> None:
         "out_features": 8,
         "num_samples": 4096,
     }
-    assert data["data"] == {"batch_size": 8, "microbatches": 2, "split": "train", "seed": 0}
+    assert data["data"] == {
+        "batch_size": 8, "microbatches": 2, "split": "train", "seed": 0, "loader_workers": 0
+    }  # fmt: skip
     assert data["optimizer"]["betas"] == [0.9, 0.999] and data["optimizer"]["momentum"] == 0.0
     assert data["pipeline"] | {"stages": 2} == {
         "stages": 2,

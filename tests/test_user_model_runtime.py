@@ -87,6 +87,12 @@ def test_a_single_job_trains_as_a_plain_loop_and_as_alone(tmp_path: Path) -> Non
     _close(got, _plain_loop(cfg, lr=0.05))
 
 
+def test_loader_workers_read_the_same_batches(tmp_path: Path) -> None:
+    plain = _final(train(_config(tmp_path, "plain")).run_dir)
+    loaded = _final(train(_config(tmp_path, "loaded", data={"loader_workers": 2})).run_dir)
+    _bitwise(loaded, plain)
+
+
 def test_each_job_of_an_array_is_bitwise_its_own_run(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "array", data={"microbatches": 1})
     data = cfg.to_dict()
@@ -111,3 +117,33 @@ def test_a_factory_error_names_the_config(tmp_path: Path) -> None:
     data["model"] = {"factory": f"{FACTORY}:build", "config": {"colour": 1}}
     with pytest.raises(PlanError, match=r"bad\.toml: \[model\.config\] does not fit"):
         RunConfig.from_dict(data, source="bad.toml")
+
+
+def test_the_python_api_trains_a_config_built_in_code(tmp_path: Path) -> None:
+    """docs/training.md's example: a config from tables, `prepare`, then `train`."""
+    from adaptipe import runtime
+
+    script = tmp_path / "my_script.py"
+    (tmp_path / "my_model.py").write_text(FACTORY.read_text())
+    tables = copy.deepcopy(BASE)
+    tables["model"]["factory"] = "my_model.py:build"  # relative to the source's folder
+    tables["optimizer"].update(schedule="cosine", warmup=2)
+    tables["train"]["run_dir"] = str(tmp_path / "prepared")
+    config = runtime.RunConfig.from_dict(tables, source=str(script))
+    assert config.model.factory == f"{(tmp_path / 'my_model.py').resolve()}:build"
+    run, _ = runtime.prepare(config)
+    assert (run.root / "partition.json").exists()
+    summary = runtime.train(config, run_dir=tmp_path / "trained")
+    assert summary.iterations == 4 and summary.final_loss is not None
+
+
+def test_the_example_sweep_reads_with_its_four_jobs() -> None:
+    from adaptipe.runtime.config import parse_config
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "user-model" / "sweep.toml"
+    cfg = parse_config(example)
+    assert cfg.model.name == "digits_resnet:build"
+    assert [(j.optimizer.lr, j.optimizer.warmup) for j in cfg.jobs] == [
+        (0.001, 0), (0.001, 20), (0.003, 0), (0.003, 20),
+    ]  # fmt: skip
+    assert cfg.model.spec().layer_names() == ["stem", "res0", "res1", "res2", "res3", "head"]

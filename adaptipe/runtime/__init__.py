@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from adaptipe.runtime.config import RunConfig, load_config
     from adaptipe.runtime.launch import (
         Plans,
         StageFailed,
@@ -19,10 +20,22 @@ if TYPE_CHECKING:
         train,
     )
 
-__all__ = ["Plans", "StageFailed", "TrainSummary", "prepare", "resolve_plans", "train"]
+__all__ = [
+    "Plans",
+    "RunConfig",
+    "StageFailed",
+    "TrainSummary",
+    "load_config",
+    "prepare",
+    "resolve_plans",
+    "train",
+]
+_FROM_CONFIG = ("RunConfig", "load_config")
 
 
 def __getattr__(name: str) -> object:
+    if name in _FROM_CONFIG:
+        return getattr(importlib.import_module("adaptipe.runtime.config"), name)
     if name in __all__:
         return getattr(importlib.import_module("adaptipe.runtime.launch"), name)
     raise AttributeError(f"module 'adaptipe.runtime' has no attribute {name!r}")

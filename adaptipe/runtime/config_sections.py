@@ -64,6 +64,9 @@ class DataSection:
     microbatches: int = field(metadata=_rule(minimum=1))
     split: Split = field(default="train", metadata=_rule(choices=SPLITS))
     seed: int = 0
+    # A user's dataset (`[model] factory`) read through a DataLoader with this many
+    # worker processes, in adaptipe's order (`adaptipe.models.mapdata.MapDataset`).
+    loader_workers: int = field(default=0, metadata=_rule(minimum=0))
 
     @property
     def microbatch_size(self) -> int:

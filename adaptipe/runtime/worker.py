@@ -33,6 +33,7 @@ import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
+from adaptipe.models.mapdata import with_loader
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.bootstrap import (
     EXIT_RESTART,
@@ -157,7 +158,7 @@ class _Worker:
             dist.barrier()  # rank 0 restored the checkpoint's plan history: all read it
         stage_holds = (schedule.place(0)[0], schedule.place(schedule.num_virtual_stages - 1)[0])
         holds = (stage_holds[0] == proc.rank, stage_holds[1] == proc.rank)
-        dataset = spec.dataset(split=config.data.split)
+        dataset = with_loader(spec.dataset(split=config.data.split), config.data.loader_workers)
         jobs, m = config.jobs, schedule.num_microbatches
         streams = [  # each job reads its own data stream: its batch size and data seed
             BatchStream(dataset, batch_size=j.batch_size, seed=j.data_seed, start_iteration=start)
