@@ -23,7 +23,7 @@ def add_parser(
     p.add_argument(
         "--stages", type=int, default=None, help="stage count (dynpipe chooses it when omitted)"
     )
-    p.add_argument("--planner", default="dynpipe", choices=PLANNERS)
+    p.add_argument("--planner", default="dynpipe", choices=(*PLANNERS, "2bw"))
     p.add_argument(
         "--bandwidth", default="inf", help="link bandwidth, e.g. 10GB/s; comma list = per boundary"
     )
@@ -44,6 +44,11 @@ def add_parser(
         metavar="NAME=VALUE",
         help="dynpipe Eq. 3 constants: f0, lr, epsilon, smoothness, grad_second_moment",
     )
+    p.add_argument("--devices", type=int, help="2bw: devices to spread over (depth x width)")
+    p.add_argument("--batch-size", type=int, help="2bw: the largest safe global batch")
+    p.add_argument(
+        "--max-width", type=int, default=None, help="2bw: cap the data-parallel width (1: none)"
+    )
     p.add_argument("--out", help="write the Partition JSON here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -58,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from adaptipe.serial import load_json_file, write_json
 
     prof = load_json_file(args.profile, Profile.from_json)
+    if args.planner == "2bw":
+        return _twobw(args, prof)
     bandwidth: float | list[float]
     bws = [parse_bandwidth(b) for b in args.bandwidth.split(",")]
     bandwidth = bws[0] if len(bws) == 1 else bws
@@ -105,4 +112,50 @@ def run(args: argparse.Namespace) -> int:
         print(f"predicted time per micro-batch: {partition.predicted_s * 1e3:.3f} ms")
     if args.out:
         print(f"wrote {args.out}")
+    return 0
+
+
+def _twobw(args: argparse.Namespace, prof: object) -> int:
+    """``--planner 2bw``: depth, width, micro-batch size and recomputation
+    (`adaptipe.plan.twobw`), and the run config sections that train it."""
+    from adaptipe.plan.twobw import plan_2bw
+    from adaptipe.profile import Profile
+    from adaptipe.serial import write_json
+
+    assert isinstance(prof, Profile)
+    if args.devices is None or args.batch_size is None or args.memory_limit is None:
+        raise PlanError("--planner 2bw needs --devices, --batch-size and --memory-limit")
+    chosen = plan_2bw(
+        prof,
+        devices=args.devices,
+        memory_limit_bytes=parse_bytes(args.memory_limit, what="--memory-limit"),
+        batch_size=args.batch_size,
+        bandwidth_Bps=parse_bandwidth(args.bandwidth.split(",")[0]),
+        max_width=args.max_width,
+    )
+    if args.out:
+        write_json(args.out, chosen.partition.to_json())
+    if args.json:
+        print(json.dumps(chosen.to_json()))
+        return 0
+    print(
+        f"2bw plan for {prof.model} on {args.devices} device(s): depth {chosen.depth} x width "
+        f"{chosen.width}, micro-batch {chosen.microbatch}, {chosen.accumulation} per step, "
+        f"recompute {'on' if chosen.recompute else 'off'}; {chosen.samples_per_s:.1f} samples/s "
+        f"predicted ({chosen.considered} configurations considered)"
+    )
+    for s, (sec, used) in enumerate(zip(chosen.stage_s, chosen.stage_bytes, strict=True)):
+        layers = chosen.partition.layers(s)
+        print(f"  stage {s}: layers {layers.start}-{layers.stop - 1}  {sec * 1e3:.3f} ms  "
+              f"{used / 2**20:.1f} MiB")  # fmt: skip
+    if chosen.width == 1:
+        print("train it with:")
+        print(f"  [data] batch_size = {chosen.microbatch * chosen.accumulation}, "
+              f"microbatches = {chosen.accumulation}")  # fmt: skip
+        print(f"  [pipeline] stages = {chosen.depth}, schedule = \"2bw\", "
+              f"update_every = {chosen.accumulation}, "
+              f"recompute = {str(chosen.recompute).lower()}, "
+              f"partition = {list(chosen.partition.bounds)}")  # fmt: skip
+    else:
+        print("(a width above 1 needs replicated stages, which adaptipe does not run yet)")
     return 0
