@@ -123,3 +123,69 @@ def test_bad_schedules_name_the_config(
     with pytest.raises(PlanError, match=match) as info:
         _config(tmp_path, "bad", optimizer=optimizer)
     assert "bad.toml" in str(info.value)
+
+
+CLIP = {"clip_grad_norm": 0.05, "schedule": "constant", "warmup": 0}
+
+
+def _plain_clipped(cfg: RunConfig) -> dict[str, torch.Tensor]:
+    spec = cfg.model.spec()
+    model = spec.build_all(seed=cfg.train.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum)
+    batches = spec.dataset(split="train").batches(cfg.data.batch_size, seed=cfg.data.seed or 0)
+    m = cfg.data.microbatches
+    for _, (x, y) in zip(range(cfg.train.iterations or 0), batches, strict=False):
+        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+            (spec.loss(model(xs), ys) / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm)
+        opt.step()
+        opt.zero_grad()
+    return {
+        f"layers.{i}.{n}": p.detach()
+        for i, layer in enumerate(model)
+        for n, p in layer.named_parameters()
+    }
+
+
+def test_clipping_by_the_global_norm_matches_torch_and_ignores_the_cut(tmp_path: Path) -> None:
+    first = _config(tmp_path, "cut3", optimizer=CLIP, pipeline={"partition": [0, 3, 6]})
+    got = _layers(_final(train(first).run_dir))
+    want = _plain_clipped(first)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    unclipped = _layers(
+        _final(
+            train(
+                _config(
+                    tmp_path,
+                    "free",
+                    optimizer={**CLIP, "clip_grad_norm": 0.0},
+                    pipeline={"partition": [0, 3, 6]},
+                )
+            ).run_dir
+        )
+    )
+    assert not torch.equal(unclipped[next(iter(want))], got[next(iter(want))])  # it did clip
+    other = _config(tmp_path, "cut2", optimizer=CLIP, pipeline={"partition": [0, 2, 6]})
+    _bitwise_same(_layers(_final(train(other).run_dir)), got)
+    moved = _config(
+        tmp_path, "moved", optimizer=CLIP, pipeline={"partition": [0, 3, 6]},
+        adapt={"repartition": [{"iteration": 3, "bounds": [0, 2, 6]}]},
+    )  # fmt: skip
+    _bitwise_same(_layers(_final(train(moved).run_dir)), got)
+
+
+def _bitwise_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_clipping_is_refused_where_it_cannot_run_yet(tmp_path: Path) -> None:
+    data = _config(tmp_path, "x", optimizer=CLIP).to_dict()
+    data["sweep"] = {"grid": {"lr": [0.01, 0.02]}}
+    data["data"]["microbatches"] = 1
+    with pytest.raises(PlanError, match=r"clip_grad_norm is not supported with a \[sweep\]"):
+        RunConfig.from_dict(data, source="x.toml")
+    with pytest.raises(PlanError, match="needs a synchronous schedule"):
+        _config(tmp_path, "y", optimizer=CLIP, pipeline={"schedule": "2bw", "update_every": 2})

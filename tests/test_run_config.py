@@ -232,7 +232,7 @@ ERRORS = [
         _set("optimizer", lrr=0.1),
         "[optimizer].lrr is not a field "
         "(allowed: name, lr, momentum, weight_decay, nesterov, betas, eps, schedule, warmup, "
-        "decay_iterations, min_lr_ratio, step_every, gamma)",
+        "decay_iterations, min_lr_ratio, step_every, gamma, clip_grad_norm)",
     ),
     (
         _set("traning", iterations=3),

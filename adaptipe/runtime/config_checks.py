@@ -25,6 +25,7 @@ def _fail(source: str, where: str, message: str) -> PlanError:
 def check_cross(config: RunConfig, spec: ModelSpec) -> None:
     """Checks across sections: everything a run would otherwise trip over after starting."""
     src, data, pipe = config.source, config.data, config.pipeline
+    _check_clip(config)
     if config.sweep is not None:
         # A job-array runs each job's whole mini-batch as one block; its order comes from
         # the JAPSP solver, not from [pipeline].schedule.
@@ -103,3 +104,23 @@ def _check_partition(config: RunConfig, spec: ModelSpec, total: int) -> None:
             "[pipeline].partition",
             f"has {part.num_stages} stages but stages x virtual = {total}",
         )
+
+
+def _check_clip(config: RunConfig) -> None:
+    """Clipping by the global norm runs on single jobs with synchronous schedules so far."""
+    jobs = config.sweep.jobs if config.sweep is not None else ()
+    if not config.optimizer.clip_grad_norm and not any(j.optimizer.clip_grad_norm for j in jobs):
+        return
+    where = "[optimizer].clip_grad_norm"
+    if config.sweep is not None:
+        raise _fail(
+            config.source, where,
+            "is not supported with a [sweep] yet (a job-array steps each job on its own "
+            "schedule); train the jobs one by one, or set it to 0",
+        )  # fmt: skip
+    if config.pipeline.schedule in ("pipedream", "2bw"):
+        raise _fail(
+            config.source, where,
+            f"needs a synchronous schedule (gpipe, 1f1b, interleaved); "
+            f"[pipeline].schedule = {config.pipeline.schedule!r} steps per micro-batch group",
+        )  # fmt: skip

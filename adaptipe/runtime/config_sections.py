@@ -90,6 +90,8 @@ class OptimizerSection:
     min_lr_ratio: float = field(default=0.0, metadata=_rule(minimum=0.0))
     step_every: int = field(default=0, metadata=_rule(minimum=0))
     gamma: float = field(default=0.1, metadata=_rule(positive=True))
+    # Clip gradients by the whole model's norm (torch's clip_grad_norm_); 0: off.
+    clip_grad_norm: float = field(default=0.0, metadata=_rule(minimum=0.0))
 
     def lr_schedule(self) -> LrSchedule | None:
         """The schedule, None for a constant rate without warm-up."""

@@ -19,7 +19,7 @@ clipped step, do not depend on where the cuts are or on a migration.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,9 +31,11 @@ from adaptipe.errors import PlanError
 __all__ = [
     "SCHEDULES",
     "STEP_KEY",
+    "GlobalClip",
     "LrSchedule",
     "attach_schedule",
     "clip_coefficient",
+    "global_clip",
     "global_norm",
     "layer_sq_norm",
     "scale_gradients",
@@ -154,3 +156,48 @@ def scale_gradients(layers: Iterable[nn.Module], coef: float) -> None:
             for p in layer.parameters():
                 if p.grad is not None:
                     p.grad.mul_(coef)
+
+
+class GlobalClip:
+    """Clip a stage's gradients by the whole model's norm, just before its step.
+
+    ``exchange`` sums a float64 vector over the stages (an all-reduce); each stage
+    fills only its own layers' entries, so every entry is one stage's value plus zeros,
+    exact in any order, and every stage then sums the same vector in layer order. The
+    norm, and so the clipped step, is the same for any partition and across migrations.
+    ``last_norm`` keeps the latest global norm (before clipping) for the metrics."""
+
+    def __init__(
+        self, max_norm: float, num_layers: int, exchange: Callable[[Tensor], Tensor]
+    ) -> None:
+        self.max_norm, self.num_layers, self.exchange = max_norm, num_layers, exchange
+        self.last_norm: float | None = None
+
+    def __call__(self, slots: Sequence[Any]) -> None:
+        """``slots``: this stage's `LayerSlot`s (``index``, ``module``)."""
+        local = torch.zeros(self.num_layers, dtype=torch.float64)
+        for slot in slots:
+            local[slot.index] = layer_sq_norm(slot.module)
+        summed = self.exchange(local)
+        norm = global_norm(dict(enumerate(summed.tolist())), self.num_layers)
+        self.last_norm = norm
+        coef = clip_coefficient(norm, self.max_norm)
+        if coef is not None:
+            scale_gradients((slot.module for slot in slots), coef)
+
+
+def global_clip(max_norm: float, num_layers: int) -> GlobalClip | None:
+    """``[optimizer] clip_grad_norm``'s clipper over every stage process (None: off);
+    the norms travel on a gloo group of their own. Every stage calls it once, in the
+    same order as its other groups."""
+    if not max_norm:
+        return None
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+
+    def exchange(local: Tensor) -> Tensor:
+        dist.all_reduce(local, group=group)
+        return local
+
+    return GlobalClip(max_norm, num_layers, exchange)

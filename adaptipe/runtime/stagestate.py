@@ -72,6 +72,7 @@ class Stage:
         self._resumed_steps = 0  # steps done before this process (a resumed run)
         self._memory_layers: list[int] = []  # the layers the memory manager was built for
         self._step_tap: Callable[[int, list[LayerSlot]], None] | None = None
+        self._clip: Callable[[list[LayerSlot]], None] | None = None
 
     # ------------------------------------------------------------------ state
     def layers(self) -> list[int]:
@@ -302,7 +303,7 @@ class Stage:
         elif previous is not executor:
             executor.steps_done = previous.steps_done
             executor.slowdown = previous.slowdown
-        executor.step_tap = self._step_tap
+        executor.step_tap = self._tap()
         self.executor = executor
 
     def tap_steps(self, tap: Callable[[int, list[LayerSlot]], None] | None) -> None:
@@ -310,7 +311,26 @@ class Stage:
         stop), whichever executor runs (a streamed migration logs gradients with it)."""
         self._step_tap = tap
         if self.executor is not None:
-            self.executor.step_tap = tap
+            self.executor.step_tap = self._tap()
+
+    def clip_gradients(self, clip: Callable[[list[LayerSlot]], None] | None) -> None:
+        """Call ``clip(slots)`` before every optimizer step, ahead of the step tap (so a
+        streamed migration logs the clipped gradients its copies replay)."""
+        self._clip = clip
+        if self.executor is not None:
+            self.executor.step_tap = self._tap()
+
+    def _tap(self) -> Callable[[int, list[LayerSlot]], None] | None:
+        clip, tap = self._clip, self._step_tap
+        if clip is None:
+            return tap
+
+        def clipped(step: int, slots: list[LayerSlot]) -> None:
+            clip(slots)
+            if tap is not None:
+                tap(step, slots)
+
+        return clipped
 
     def use_memory(self, memory: MemoryManager | None) -> None:
         """Adopt the memory manager that keeps this stage's job states."""

@@ -89,7 +89,12 @@ JOB_FIELDS = (
     "gamma",
 )
 _SCHEDULE = ("schedule", "warmup", "decay_iterations", "min_lr_ratio", "step_every", "gamma")
-_JOB_ONLY_FIELDS = ("nesterov", "betas", "eps")  # [[sweep.jobs]] only, not grid axes
+_JOB_ONLY_FIELDS = (
+    "nesterov",
+    "betas",
+    "eps",
+    "clip_grad_norm",
+)  # [[sweep.jobs]] only, not grid axes
 # The optimizers and the fields each reads besides lr and weight_decay
 # (`OptimizerSection.build`); [optimizer].name takes these names.
 OPTIMIZER_FIELDS: dict[str, tuple[str, ...]] = {
@@ -309,7 +314,8 @@ def _job(
             opt["momentum"], opt["nesterov"] = 0.0, False
     if strict:
         _check_used(entry, where, source, opt)
-    for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps", *_SCHEDULE):
+    for key in ("lr", "weight_decay", "momentum", "nesterov", "betas", "eps", "clip_grad_norm",
+                *_SCHEDULE):  # fmt: skip
         if key in entry:
             opt[key] = entry[key]
     try:
