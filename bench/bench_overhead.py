@@ -68,6 +68,8 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
         iterations = args.warmup + args.iterations
         demo = demo_config(Path(run_dir), controller=controller, iterations=iterations, window=3)
         demo["train"]["telemetry"] = monitored
+        if args.telemetry_interval_s is not None:
+            demo["train"]["telemetry_interval_s"] = args.telemetry_interval_s
         if monitored:
             demo["adapt"]["dry_run"] = True
         return RunConfig.from_dict(demo, source="bench_overhead")
@@ -84,6 +86,8 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
             "run_dir": run_dir,
         },
     }
+    if args.telemetry_interval_s is not None:
+        raw["train"]["telemetry_interval_s"] = args.telemetry_interval_s
     if monitored:
         raw["adapt"] = {"controller": args.controller, "dry_run": not act}
     if act:  # a lopsided start, which always_best moves from at its first check
@@ -122,11 +126,11 @@ def decisions(control: Path) -> dict[str, Any]:
 
 def train_once(args: argparse.Namespace, *, monitored: bool, act: bool = False) -> dict[str, Any]:
     from adaptipe.controllers.live import decider
-    from adaptipe.runtime import launch, train
+    from adaptipe.runtime import pace, train
     from adaptipe.runtime.rundir import RunDir
 
     if args.adapt_poll_s is not None:
-        launch.ADAPT_POLL_S = args.adapt_poll_s  # read by the manager's loop each pass
+        pace.ADAPT_POLL_S = args.adapt_poll_s  # read by the manager's loop each pass
 
     with tempfile.TemporaryDirectory(prefix="adaptipe-bench-overhead-") as tmp:
         config = _config(args, f"{tmp}/run", monitored=monitored, act=act)
@@ -184,6 +188,13 @@ def main() -> None:
         default=None,
         help="the manager's poll period while a controller decides (default: the "
         "runtime's ADAPT_POLL_S); a what-if, patched into this process",
+    )
+    parser.add_argument(
+        "--telemetry-interval-s",
+        type=float,
+        default=None,
+        help="B's [train].telemetry_interval_s, the device samplers' period (default: "
+        "the config's); a what-if",
     )
     args = parser.parse_args()
     if args.act and args.model != "mlp":
@@ -248,6 +259,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "B": f"telemetry on, [adapt] controller = {args.controller!r}, dry_run = true",
         "A": "telemetry off, no controller",
         "adapt_poll_s": args.adapt_poll_s or _adapt_poll_s(),
+        "telemetry_interval_s": args.telemetry_interval_s or _telemetry_interval_s(),
         "iterations_timed": args.iterations,
         "warmup": args.warmup,
         "sample_s": args.sample_s,
@@ -285,9 +297,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _adapt_poll_s() -> float:
-    from adaptipe.runtime.launch import ADAPT_POLL_S
+    from adaptipe.runtime.pace import ADAPT_POLL_S
 
     return float(ADAPT_POLL_S)
+
+
+def _telemetry_interval_s() -> float:
+    import dataclasses
+
+    from adaptipe.runtime.config_sections import TrainSection
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainSection)}
+    return float(fields["telemetry_interval_s"])
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
