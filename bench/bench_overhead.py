@@ -19,18 +19,22 @@ it (from their end times).
 
 Threads are told apart by tid and name (``adaptipe.monitor.threadname`` names the
 telemetry threads): the manager's main thread (tid = pid: the poll loop, which merges
-metrics and writes logs with or without telemetry), ``adaptipe-collec``tor, ZeroMQ's
-``ZMQbg/*``, this bench's own sampler (left out), and "exited" (the process's CPU less
-its live threads': the short-lived ``adaptipe-decide`` threads); in a stage, the
+metrics and writes logs with or without telemetry and, since session 15, drives the
+telemetry collector itself, so B's collector work is in B's main thread less A's),
+``adaptipe-collec``tor where a collector runs its own thread (before session 15),
+ZeroMQ's ``ZMQbg/*``, this bench's own sampler (left out), and "exited" (the process's
+CPU less its live threads': the short-lived ``adaptipe-decide`` threads); in a stage, the
 training thread (tid = pid), ``adaptipe-sample``r, ``ZMQbg/*``, link watchers
 (``adaptipe-l*``) and the rest.
 
 ``--model gpt-array`` trains ``adaptipe demo``'s 4 GPT jobs as one job-array instead;
 ``--act`` adds one mlp run that moves (``always_best`` from lopsided bounds);
-``--adapt-poll-s`` tries another manager poll period while a controller decides.
+``--adapt-poll-s`` tries another manager poll period while a controller call runs;
+``--telemetry-interval-s`` another device-sampling period for B.
 
     python bench/bench_overhead.py [--pairs 4] [--iterations 80] [--warmup 10]
         [--model mlp|gpt-array] [--controller threshold] [--act] [--adapt-poll-s S]
+        [--telemetry-interval-s S]
 """
 
 from __future__ import annotations
