@@ -89,7 +89,8 @@ class _Kept:
             self._fd = None
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # at interpreter exit os may be gone already
+            self.close()
 
 
 class CpuProbe:
