@@ -307,12 +307,9 @@ def _adapt_poll_s() -> float:
 
 
 def _telemetry_interval_s() -> float:
-    import dataclasses
-
     from adaptipe.runtime.config_sections import TrainSection
 
-    fields = {f.name: f.default for f in dataclasses.fields(TrainSection)}
-    return float(fields["telemetry_interval_s"])
+    return float(TrainSection().telemetry_interval_s)
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
