@@ -19,18 +19,22 @@ it (from their end times).
 
 Threads are told apart by tid and name (``adaptipe.monitor.threadname`` names the
 telemetry threads): the manager's main thread (tid = pid: the poll loop, which merges
-metrics and writes logs with or without telemetry), ``adaptipe-collec``tor, ZeroMQ's
-``ZMQbg/*``, this bench's own sampler (left out), and "exited" (the process's CPU less
-its live threads': the short-lived ``adaptipe-decide`` threads); in a stage, the
+metrics and writes logs with or without telemetry and, since session 15, drives the
+telemetry collector itself, so B's collector work is in B's main thread less A's),
+``adaptipe-collec``tor where a collector runs its own thread (before session 15),
+ZeroMQ's ``ZMQbg/*``, this bench's own sampler (left out), and "exited" (the process's
+CPU less its live threads': the short-lived ``adaptipe-decide`` threads); in a stage, the
 training thread (tid = pid), ``adaptipe-sample``r, ``ZMQbg/*``, link watchers
 (``adaptipe-l*``) and the rest.
 
 ``--model gpt-array`` trains ``adaptipe demo``'s 4 GPT jobs as one job-array instead;
 ``--act`` adds one mlp run that moves (``always_best`` from lopsided bounds);
-``--adapt-poll-s`` tries another manager poll period while a controller decides.
+``--adapt-poll-s`` tries another manager poll period while a controller call runs;
+``--telemetry-interval-s`` another device-sampling period for B.
 
     python bench/bench_overhead.py [--pairs 4] [--iterations 80] [--warmup 10]
         [--model mlp|gpt-array] [--controller threshold] [--act] [--adapt-poll-s S]
+        [--telemetry-interval-s S]
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
         iterations = args.warmup + args.iterations
         demo = demo_config(Path(run_dir), controller=controller, iterations=iterations, window=3)
         demo["train"]["telemetry"] = monitored
+        if args.telemetry_interval_s is not None:
+            demo["train"]["telemetry_interval_s"] = args.telemetry_interval_s
         if monitored:
             demo["adapt"]["dry_run"] = True
         return RunConfig.from_dict(demo, source="bench_overhead")
@@ -84,6 +90,8 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
             "run_dir": run_dir,
         },
     }
+    if args.telemetry_interval_s is not None:
+        raw["train"]["telemetry_interval_s"] = args.telemetry_interval_s
     if monitored:
         raw["adapt"] = {"controller": args.controller, "dry_run": not act}
     if act:  # a lopsided start, which always_best moves from at its first check
@@ -122,11 +130,11 @@ def decisions(control: Path) -> dict[str, Any]:
 
 def train_once(args: argparse.Namespace, *, monitored: bool, act: bool = False) -> dict[str, Any]:
     from adaptipe.controllers.live import decider
-    from adaptipe.runtime import launch, train
+    from adaptipe.runtime import pace, train
     from adaptipe.runtime.rundir import RunDir
 
     if args.adapt_poll_s is not None:
-        launch.ADAPT_POLL_S = args.adapt_poll_s  # read by the manager's loop each pass
+        pace.ADAPT_POLL_S = args.adapt_poll_s  # read by the manager's loop each pass
 
     with tempfile.TemporaryDirectory(prefix="adaptipe-bench-overhead-") as tmp:
         config = _config(args, f"{tmp}/run", monitored=monitored, act=act)
@@ -184,6 +192,13 @@ def main() -> None:
         default=None,
         help="the manager's poll period while a controller decides (default: the "
         "runtime's ADAPT_POLL_S); a what-if, patched into this process",
+    )
+    parser.add_argument(
+        "--telemetry-interval-s",
+        type=float,
+        default=None,
+        help="B's [train].telemetry_interval_s, the device samplers' period (default: "
+        "the config's); a what-if",
     )
     args = parser.parse_args()
     if args.act and args.model != "mlp":
@@ -248,6 +263,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "B": f"telemetry on, [adapt] controller = {args.controller!r}, dry_run = true",
         "A": "telemetry off, no controller",
         "adapt_poll_s": args.adapt_poll_s or _adapt_poll_s(),
+        "telemetry_interval_s": args.telemetry_interval_s or _telemetry_interval_s(),
         "iterations_timed": args.iterations,
         "warmup": args.warmup,
         "sample_s": args.sample_s,
@@ -285,9 +301,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _adapt_poll_s() -> float:
-    from adaptipe.runtime.launch import ADAPT_POLL_S
+    from adaptipe.runtime.pace import ADAPT_POLL_S
 
     return float(ADAPT_POLL_S)
+
+
+def _telemetry_interval_s() -> float:
+    from adaptipe.runtime.config_sections import TrainSection
+
+    return float(TrainSection().telemetry_interval_s)
 
 
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:

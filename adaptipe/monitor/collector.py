@@ -11,8 +11,11 @@ every accepted record can also go to a ``telemetry.jsonl`` file, one JSON line e
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import operator
 import threading
+import time
 from collections import Counter, deque
 from pathlib import Path
 from types import TracebackType
@@ -47,6 +50,20 @@ R = TypeVar("R", StageStats, DeviceSample, LinkSample)
 K = TypeVar("K", int, tuple[int, int])
 
 
+_TIME = operator.attrgetter("time_s")
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # one, not one a record
+
+
+def _line(record: Record) -> str:
+    """The record as one strict JSON line. Validated records are finite but for the odd
+    infinity (a link's bandwidth), which takes `json_line`'s slower path to ``null``."""
+    data = record.to_dict()
+    try:
+        return _JSON.encode(data) + "\n"
+    except ValueError:
+        return json_line(data, separators=(",", ":"))
+
+
 def _ring(rings: dict[K, deque[R]], stage: K, length: int) -> deque[R]:
     ring = rings.get(stage)
     if ring is None:
@@ -67,8 +84,10 @@ class _AllowKeys:
 class Collector:
     """Binds a PULL socket and stores validated telemetry.
 
-    Drive it with :meth:`poll` from the manager loop, or :meth:`start` a receiving
-    thread; reads (``latest``, ``history``...) are safe from any thread.
+    Drive it with :meth:`poll` (or :meth:`pump`) from the caller's loop, or :meth:`start`
+    a receiving thread; reads (``latest``, ``history``...) are safe from any thread. The
+    manager drives it from its own poll loop: a thread of its own woke for each frame, and
+    those wake-ups were most of telemetry's CPU (docs/benchmarks.md, session 15).
 
     Args:
         bind: endpoint to bind; ``*`` as the port picks a free one (see ``address``).
@@ -159,6 +178,27 @@ class Collector:
                 self._jsonl.flush()
         return handled
 
+    def pump(self, timeout_ms: int = 0) -> int:
+        """`poll` for a caller that must not fail on telemetry (the manager's loop, which
+        drives the collector itself): an error is logged, not raised; returns the count."""
+        try:
+            return self.poll(timeout_ms)
+        except Exception as exc:  # the manager keeps its history and its run; say why
+            log.warning("telemetry collector: %r", exc)
+            return 0
+
+    def drain(self, *, quiet_ms: int = 50, limit_s: float = 2.0) -> int:
+        """Take in what is still on its way until none has come for ``quiet_ms`` (at
+        most ``limit_s``): at shutdown, the last frames a stage sent before it exited.
+        Returns the count."""
+        handled, deadline = 0, time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            got = self.pump(quiet_ms)
+            if not got:
+                break
+            handled += got
+        return handled
+
     def _handle(self, parts: list[bytes]) -> None:
         try:
             if len(parts) != 1:
@@ -181,7 +221,7 @@ class Collector:
                     self._events.append(record)
         if self._jsonl is not None:
             try:
-                self._jsonl.write(json_line(record.to_dict(), separators=(",", ":")))
+                self._jsonl.write(_line(record))
             except OSError as exc:  # e.g. disk full: keep collecting in memory
                 log.warning(
                     "telemetry log %s failed (%s); no longer writing it", self._jsonl.name, exc
@@ -249,6 +289,18 @@ class Collector:
         with self._lock:
             out: list[Record] = [r for ring in self._stats.values() for r in ring]
             out += [r for ring in self._devices.values() for r in ring]
+            out += [r for ring in self._links.values() for r in ring]
+            return out + list(self._events)
+
+    def for_decision(self) -> list[Record]:
+        """What a controller's decision reads (`adaptipe.runtime.adapt_loop`): as
+        :meth:`records`, but of each stage's DeviceSamples only the newest (the latest
+        ``time_s``, the later of equals), the one `controllers.observation.observe` takes;
+        the rest of the ring, most of the records, would only be filtered out."""
+        with self._lock:
+            out: list[Record] = [r for ring in self._stats.values() for r in ring]
+            # max keeps the first of equals: over the ring reversed, the later to arrive
+            out += [max(reversed(ring), key=_TIME) for ring in self._devices.values() if ring]
             out += [r for ring in self._links.values() for r in ring]
             return out + list(self._events)
 

@@ -38,6 +38,7 @@ from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
 from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.metrics_merge import MetricsFollower
+from adaptipe.runtime.pace import Pace
 from adaptipe.runtime.plans import Plans, resolve_plans
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.summary import LATE_STOP, TrainSummary, rank_jobs, summarise
@@ -121,10 +122,6 @@ def prepare(
     # (kept for resumes) must not apply to it.
     shutil.rmtree(run.root / "control", ignore_errors=True)
     return run, config
-
-
-ADAPT_POLL_S = 0.01
-"""The manager's poll period while a controller runs (a pass reads a few small files)."""
 
 
 def train(
@@ -227,6 +224,7 @@ class _Launch:
     collector: Collector | None
     interference: Interference | None
     on_iteration: ProgressFn | None
+    start: int = 0  # the first iteration this launch trains
     adapt: AdaptLoop | None = None  # [adapt].controller's decision loop
     publisher: Publisher | None = None  # the manager's own events into the telemetry stream
     marked: bool = False  # this process is marked as the run's manager
@@ -257,6 +255,7 @@ class _Launch:
         if self.publisher is not None:
             self.publisher.close(linger_s=0.5)
         if self.collector is not None:
+            self.collector.drain()  # what the stages sent last: into telemetry.jsonl too
             self.collector.close()
         if self.marked:
             mark_manager(self.run, running=False)
@@ -329,7 +328,7 @@ def _run(
         marked = controller is not None or (decider is not None and cfg.train.telemetry)
         if marked:  # `adaptipe stop` and `adaptipe adapt` can tell their request is heard
             mark_manager(run, running=True)
-        collector = Collector(jsonl=run.telemetry).start() if monitored else None
+        collector = Collector(jsonl=run.telemetry) if monitored else None  # `_follow` drives it
         control_dir = run.root / "inject" if scenario is not None else None
         start_workers = functools.partial(
             spawn,
@@ -351,6 +350,7 @@ def _run(
         collector=collector,
         interference=None,
         on_iteration=on_iteration,
+        start=start,
         marked=marked,
     )
     if decider is not None and collector is not None and cfg.train.telemetry:
@@ -387,8 +387,11 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
     """Log merged metrics and control events until every worker has exited cleanly;
     raise `StageFailed` as soon as one has not."""
     follower, controller, interference = launch.follower, launch.controller, launch.interference
-    on_iteration, workers = launch.on_iteration, launch.workers
+    on_iteration, workers, collector = launch.on_iteration, launch.workers, launch.collector
+    pace = Pace(poll_s=poll_s, stages=follower.stages, next_iteration=launch.start)
     while True:
+        if collector is not None:
+            collector.pump()  # what came while we waited: one batch, before a decision reads it
         new = follower.poll()
         if (
             interference is not None
@@ -397,6 +400,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
         ):
             interference.start()
         for rec in new:
+            pace.next_iteration = int(rec["iteration"]) + 1
             metrics.write(json_line(rec))
             metrics.flush()
             if interference is not None:
@@ -410,9 +414,6 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
             control_log.write(json_line(event))
             control_log.flush()
         launch.announce(events)
-        # A controller acts on merged iterations: poll often enough that a decision is
-        # not an iteration late for want of one.
-        pause = min(poll_s, ADAPT_POLL_S) if launch.adapt and launch.adapt.due else poll_s
         codes = workers.codes()
         if all(c == EXIT_RESTART for c in codes):  # [adapt] method = "restart"
             workers.respawn()
@@ -434,7 +435,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 control_log.write(json_line(event))
             launch.announce(last)
             break
-        time.sleep(pause)
+        pace.wait(launch.adapt, collector)
     if controller is not None:
         for event in controller.poll():  # requests that came with the last records
             control_log.write(json_line(event))
@@ -461,7 +462,7 @@ def _adapt_loop(
         run,
         cfg.adapt,
         chosen,
-        collector.records,
+        collector.for_decision,
         start=start,
         rebuild=rebuild,
         checkpoint_due=functools.partial(checkpoint_due, cfg, total=total),

@@ -156,7 +156,7 @@ class _Torchrun:
                 jsonl=run.telemetry,
                 bind=f"tcp://{host}:*",
                 curve=keys.for_server() if keys is not None else None,
-            ).start()
+            )  # driven by the manager's loop (`launch._follow`), as `adaptipe train`'s
             info = ManagerInfo.here(
                 telemetry=collector.address,
                 **(

@@ -1,0 +1,65 @@
+"""How the manager's loop waits between its passes (`adaptipe.runtime.launch._follow`).
+
+Each pass reads the stages' metrics files, the decision loop's control files and the
+telemetry that came in: its CPU is most of what monitoring and control cost the manager
+(`bench/bench_overhead.py`, docs/benchmarks.md), so the loop waits as long as it can and
+wakes on the event it waits for rather than on a fast timer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from adaptipe.monitor.collector import Collector
+from adaptipe.runtime.adapt_loop import AdaptLoop
+
+__all__ = ["ADAPT_POLL_S", "Pace"]
+
+ADAPT_POLL_S = 0.01
+"""The manager's poll period while a controller call runs, so that its answer is taken
+in within this (`bench/bench_overhead.py --adapt-poll-s` patches it here)."""
+
+
+@dataclass(slots=True)
+class Pace:
+    """How the manager waits between passes of its loop (each pass costs CPU,
+    `bench/bench_overhead.py`).
+
+    Mostly it sleeps ``poll_s``, then takes in the telemetry that came meanwhile in one
+    batch. While a controller check waits for the next merged iteration (`AdaptLoop.due`)
+    it blocks on the collector's socket instead, up to ``poll_s``, until every stage's
+    StageStats of that iteration is in: a stage publishes them right after it logs the
+    iteration, so the last of those frames comes with the line the check waits for, and
+    no decision is an iteration late. While a controller call runs, it polls every
+    `ADAPT_POLL_S` to take in the answer.
+    """
+
+    poll_s: float
+    stages: int
+    next_iteration: int  # the iteration the next merge brings
+    calls: int = 0  # the decision loop's calls started, when last seen
+    in_flight: bool = False  # a call started since the loop was last not due
+
+    def wait(self, adapt: AdaptLoop | None, collector: Collector | None) -> None:
+        due = adapt is not None and adapt.due
+        if adapt is not None and adapt.calls != self.calls:
+            self.calls, self.in_flight = adapt.calls, True
+        self.in_flight = self.in_flight and due
+        if not due or collector is None:
+            time.sleep(self.poll_s)
+        elif self.in_flight:
+            collector.pump(int(min(self.poll_s, ADAPT_POLL_S) * 1000))
+        else:
+            deadline = time.monotonic() + self.poll_s
+            while (left := deadline - time.monotonic()) > 0:
+                if not collector.pump(max(1, int(left * 1000))) or self._reported(collector):
+                    return
+
+    def _reported(self, collector: Collector) -> bool:
+        """Every stage has sent its StageStats of the iteration the next merge brings."""
+        for stage in range(self.stages):
+            got = collector.latest(stage)
+            if got is None or got.iteration < self.next_iteration:
+                return False
+        return True
