@@ -66,7 +66,10 @@ class Stateful(Protocol):
     checkpoints by the manager (`adaptipe.runtime.adapt_loop`), so a resumed run goes on
     deciding as the interrupted one would have. Weights it adapted go to files under the
     run directory, which the state names by path and sha256
-    (`adaptipe.controllers.online`)."""
+    (`adaptipe.controllers.online`). With online tuning the resumed run starts from the
+    saved weights but not from the tuner's samples and optimizer state, and a decision
+    can depend on whether a background round had finished: close to the interrupted
+    run, not the same."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

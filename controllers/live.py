@@ -94,7 +94,9 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
     from adaptipe.controllers.predictor import load_predictor
     from adaptipe.controllers.switch_policy import load_switch
 
-    torch.set_num_threads(1)  # tiny networks: a second thread only waits for a core
+    # Tiny networks: a second thread only waits for a core. This sets torch's intra-op
+    # threads for the whole manager process (a script calling `train` included).
+    torch.set_num_threads(1)
     try:
         folder = _switch_folder(stages)
         policy = load_switch(folder, stages=stages)

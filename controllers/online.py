@@ -283,6 +283,9 @@ class OnlineTuner:
         network = self.predictor.network
         tensors = {k: v.detach().contiguous().clone() for k, v in network.state_dict().items()}
         folder = self.out / f"round-{self.rounds:06d}"
+        n = 1
+        while folder.exists():  # a resume from an older checkpoint: keep what newer ones name
+            folder, n = self.out / f"round-{self.rounds:06d}-{n}", n + 1
         summary = self.summary()
         save_artifact(
             folder,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,7 +74,7 @@ def test_a_slow_rise_far_from_the_limit_stays_ok_and_a_replayed_boundary_resets_
 def test_bad_guard_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="clear < near"):
         MemoryGuard(GuardSettings(limit_bytes=MB, near=0.7, clear=0.8))
-    with pytest.raises(ValueError, match="must be rss or cgroup"):
+    with pytest.raises(ValueError, match="must be rss, cgroup or cuda"):
         usage_reader("peak")
 
 
@@ -196,3 +198,25 @@ def test_fewer_microbatches_in_flight_train_bitwise_as_before(
     assert got.keys() == want.keys() and got
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def test_calming_down_from_growing_to_near_asks_nothing_new(tmp_path: Path) -> None:
+    """Only ok -> warned and -> growing raise the request number the manager answers."""
+    from types import SimpleNamespace
+
+    from adaptipe.runtime.memory_guard import MemoryGuardHook
+
+    used = iter([100, 700, 960, 980, 900, 880])
+    stage = SimpleNamespace(rank=1, chunks=[[]], device=torch.device("cpu"), memory=None)
+    logged: list[dict[str, Any]] = []
+    hook = MemoryGuardHook(root=tmp_path, stage=stage, limit_mb=1000, log=logged.append,
+                           read=lambda: next(used) * MB)  # type: ignore[arg-type]  # fmt: skip
+    hook._admit = lambda window, warned: {}  # type: ignore[method-assign]  # no executor here
+    for i in range(6):
+        hook.before_window(SimpleNamespace(start=i))  # type: ignore[arg-type]
+    # 700 MB rising 600 MB an iteration: growing, asked (1); back to 880 MB: near, with
+    # the same request number, so the manager moves nothing more for it
+    assert [(e["iteration"], e["state"], e.get("request")) for e in logged] == [
+        (1, "growing", 1),
+        (5, "near", 1),
+    ]

@@ -57,7 +57,9 @@ def test_one_layer_leaves_the_warned_stage_for_its_lighter_neighbour(
     assert relieved_bounds(bounds, stage) == want
 
 
-def _warn(root: Path, seq: int, iteration: int, *, stage: int = 1, state: str = "near") -> None:
+def _warn(
+    root: Path, seq: int, iteration: int, *, stage: int = 1, state: str = "near", epoch: str = ""
+) -> None:
     write_request(
         root,
         MemoryRequest(
@@ -68,6 +70,7 @@ def _warn(root: Path, seq: int, iteration: int, *, stage: int = 1, state: str = 
             used_mb=900.0,
             limit_mb=1000.0,
             slope_mb=12.0,
+            epoch=epoch,
         ),
     )
 
@@ -106,6 +109,19 @@ def test_the_loop_moves_a_layer_off_a_warned_stage_once_per_cooldown(
     record_adoption(run, 2, 9)
     assert [e["event"] for e in _poll(loop, 20)] == ["memory_warning"]
     assert current_version(run) == 2
+
+
+def test_a_restarted_worker_is_heard_and_a_resumed_manager_answers_no_old_warning(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    from adaptipe.runtime.memory_relief import MemoryRelief
+
+    run, _ = prepare(make_config(train={"iterations": 100}))
+    _warn(run.root, 3, 2, epoch="worker-a")
+    relief = MemoryRelief(run.root)  # a resumed manager: that file was answered before
+    assert relief.poll() == [] and not relief.asking
+    _warn(run.root, 1, 5, epoch="worker-b")  # a restarted worker counts from 1 again
+    assert [e["seq"] for e in relief.poll()] == [1] and relief.asking
 
 
 def test_a_dry_run_logs_the_memory_move_without_committing_it(

@@ -404,7 +404,9 @@ class AdaptLoop:
         """The workers' memory warnings logged; the oldest unanswered one answered once
         no change or call is in flight and the cooldown allows (module doc)."""
         events = self._memory.poll()
-        in_force = self._in_force() if self._memory.asking and self._call is None else None
+        # A timed-out call's late answer is dropped (under its lock): it blocks nothing.
+        idle = self._call is None or self._call.timed_out
+        in_force = self._in_force() if self._memory.asking and idle else None
         if in_force is None or self._cooling():
             return events
         event = self._memory.decide(self._latest, in_force[1], dry_run=self.settings.dry_run)

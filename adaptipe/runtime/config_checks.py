@@ -26,6 +26,13 @@ def check_cross(config: RunConfig, spec: ModelSpec) -> None:
     """Checks across sections: everything a run would otherwise trip over after starting."""
     src, data, pipe = config.source, config.data, config.pipeline
     _check_clip(config)
+    if config.train.stage_memory_mb is not None and not config.train.telemetry:
+        raise _fail(
+            src, "[train].stage_memory_mb",
+            "asks the manager to move layers off a stage near its limit, which it hears "
+            "through telemetry, and [train].telemetry = false turns that off; set "
+            "[train].telemetry = true",
+        )  # fmt: skip
     if config.sweep is not None:
         # A job-array runs each job's whole mini-batch as one block; its order comes from
         # the JAPSP solver, not from [pipeline].schedule.

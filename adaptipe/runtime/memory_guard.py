@@ -30,6 +30,7 @@ manager's move stands. At the end a ``memory_peak`` event gives the most the sta
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,15 +145,22 @@ def cgroup_bytes() -> int:
     return int((Path("/sys/fs/cgroup") / path / "memory.current").read_text())
 
 
-def usage_reader(source: str | None = None) -> Callable[[], int]:
-    """How this worker reads its memory (``source`` or ``ADAPTIPE_MEMORY_SOURCE``)."""
-    source = source or os.environ.get(MEMORY_SOURCE_ENV, "rss")
+def usage_reader(source: str | None = None, *, device: Any = None) -> Callable[[], int]:
+    """How this worker reads its memory (``source`` or ``ADAPTIPE_MEMORY_SOURCE``): on a
+    CUDA stage the device's reserved memory by default (what runs out there; offloading
+    job states to pinned host buffers would raise the host figure, not lower it)."""
+    default = "cuda" if device is not None and getattr(device, "type", "") == "cuda" else "rss"
+    source = source or os.environ.get(MEMORY_SOURCE_ENV, default)
+    if source == "cuda":
+        import torch
+
+        return lambda: int(torch.cuda.memory_reserved(device))
     if source == "rss":
         return rss_bytes
     if source == "cgroup":
         cgroup_bytes()  # fails here, at the start, where there is no cgroup v2 to read
         return cgroup_bytes
-    raise ValueError(f"{MEMORY_SOURCE_ENV}={source!r} must be rss or cgroup")
+    raise ValueError(f"{MEMORY_SOURCE_ENV}={source!r} must be rss, cgroup or cuda")
 
 
 class MemoryGuardHook:
@@ -169,8 +177,9 @@ class MemoryGuardHook:
     ) -> None:
         self.root, self.stage, self.log = root, stage, log
         self.guard = MemoryGuard(GuardSettings(limit_bytes=limit_mb * _MB))
-        self.read = read if read is not None else usage_reader()
+        self.read = read if read is not None else usage_reader(device=stage.device)
         self.seq = 0
+        self.epoch = f"{os.getpid()}-{time.time_ns()}"  # this worker process
         self.budget: tuple[int, int] | None = None  # (configured, tightened) job states
         # per executor: (its own list, the capped one or None where no cap is valid)
         self._lists: WeakKeyDictionary[StageExecutor, tuple[tuple[Instruction, ...], Capped | None]]
@@ -202,8 +211,11 @@ class MemoryGuardHook:
         if not event:
             return
         event |= {"in_flight": in_flight, "offload": offload}
-        if warned:
+        # A new ask only when the stage becomes warned or starts growing: calming down
+        # (growing -> near) is logged and written, not asked again.
+        if warned and (reading.previous == "ok" or reading.state == "growing"):
             self.seq += 1
+        if warned:
             event["request"] = self.seq
         self._request(reading)
         self.log(event)
@@ -253,6 +265,7 @@ class MemoryGuardHook:
             limit_mb=self.guard.settings.limit_bytes / _MB,
             slope_mb=round(reading.slope_bytes / _MB, 1),
             chunks=len(self.stage.chunks),
+            epoch=self.epoch,
         )
         write_request(self.root, request)
 

@@ -42,6 +42,7 @@ class MemoryRequest:
     limit_mb: float
     slope_mb: float  # per iteration
     chunks: int = 1  # the worker's virtual stages: with several, nothing moves (for now)
+    epoch: str = ""  # the worker process that wrote it: a restarted worker counts from 1
 
     @classmethod
     def from_json(cls, data: Any) -> MemoryRequest:
@@ -55,6 +56,7 @@ class MemoryRequest:
             limit_mb=float(data["limit_mb"]),
             slope_mb=float(data["slope_mb"]),
             chunks=int(data.get("chunks", 1)),
+            epoch=str(data.get("epoch", "")),
         )
         if req.state not in ("ok", "near", "growing"):
             raise ValueError(f"state {req.state!r}")
@@ -103,7 +105,10 @@ class MemoryRelief:
         self.folder = Path(root) / "control"
         self._stamps: dict[str, tuple[int, int]] = {}
         self._latest: dict[int, MemoryRequest] = {}  # per stage, its newest request
-        self._answered: dict[int, int] = {}  # per stage, the seq last answered
+        # per stage, the (worker epoch, seq) last answered; a new epoch starts afresh
+        self._answered: dict[int, tuple[str, int]] = {}
+        for event in self.poll():  # an earlier launch's files (a resume): answered then
+            self._answered[int(event["stage"])] = (str(event["epoch"]), int(event["seq"]))
 
     def poll(self) -> list[dict[str, Any]]:
         """Read the warnings that changed; their ``memory_warning`` events."""
@@ -123,7 +128,8 @@ class MemoryRelief:
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # replaced while read: the next poll sees it
             old = self._latest.get(req.stage)
-            if old is not None and old.seq >= req.seq and old.state == req.state:
+            same = old is not None and old.epoch == req.epoch
+            if same and old is not None and old.seq >= req.seq and old.state == req.state:
                 continue
             self._latest[req.stage] = req
             events.append({"event": "memory_warning", **asdict(req)})
@@ -134,12 +140,12 @@ class MemoryRelief:
         """Whether a warned stage waits for an answer."""
         return self._wanted() is not None
 
+    def _unanswered(self, req: MemoryRequest) -> bool:
+        epoch, seq = self._answered.get(req.stage, ("", 0))
+        return req.epoch != epoch or req.seq > seq
+
     def _wanted(self) -> MemoryRequest | None:
-        asks = [
-            r
-            for r in self._latest.values()
-            if r.state != "ok" and r.seq > self._answered.get(r.stage, 0)
-        ]
+        asks = [r for r in self._latest.values() if r.state != "ok" and self._unanswered(r)]
         return min(asks, key=lambda r: (r.iteration, r.stage), default=None)
 
     def decide(self, iteration: int, partition: Partition, *, dry_run: bool) -> dict[str, Any]:
@@ -147,7 +153,7 @@ class MemoryRelief:
         (``acted`` false; the loop commits ``decision.bounds`` and says so)."""
         req = self._wanted()
         assert req is not None, "decide() only while asking"
-        self._answered[req.stage] = req.seq
+        self._answered[req.stage] = (req.epoch, req.seq)
         bounds = tuple(partition.bounds)
         stage = req.stage
         moved = relieved_bounds(bounds, stage) if req.chunks == 1 else None
