@@ -130,7 +130,7 @@ def test_defaults_are_filled_in(tmp_path: Path) -> None:
     assert (train.seed, train.device, train.backend, train.log_every) == (0, "cpu", "gloo", 1)
     assert (train.checkpoint_every, train.timeout_s, train.run_dir) == (0, 60.0, "runs/demo")
     assert train.threads_per_stage == max(1, len(os.sched_getaffinity(0)) // 2)
-    assert (train.telemetry, train.telemetry_interval_s, train.link_telemetry) == (True, 0.2, False)
+    assert (train.telemetry, train.telemetry_interval_s, train.link_telemetry) == (True, 0.5, False)
 
 
 def test_data_seed_defaults_to_train_seed(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ factory in (`adaptipe.controllers.live.decider` does observe + decide).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -146,6 +147,7 @@ class AdaptLoop:
         if decider is not None:
             record_controller(run.root, decider, iteration=start)
         self._records, self._clock, self._start = records, clock, start
+        self._in_force_cache: tuple[int, float, tuple[int, Partition] | None] | None = None
         self._commit = commit if commit is not None else self._repartition
         self._latest = start - 1  # the last merged iteration
         self._next_check = start
@@ -325,7 +327,23 @@ class AdaptLoop:
 
     def _in_force(self) -> tuple[int, Partition] | None:
         """(the iteration it came into force, the partition) of the plan in force; None
-        while a change is in flight (committed, not yet adopted)."""
+        while a change is in flight (committed, not yet adopted). Cached while the
+        control folder is unchanged (every commit and adoption writes a file into it) and
+        dropped at this loop's own commits; re-read at least every 0.25 s, since a
+        folder's time moves in clock ticks and two writes may share one."""
+        try:
+            stamp = os.stat(self.run.root / "control").st_mtime_ns
+        except OSError:
+            stamp = -1
+        now = time.monotonic()
+        cached = self._in_force_cache
+        if cached is not None and cached[0] == stamp and now - cached[1] < 0.25:
+            return cached[2]
+        found = self._read_in_force()
+        self._in_force_cache = (stamp, now, found)
+        return found
+
+    def _read_in_force(self) -> tuple[int, Partition] | None:
         adopted = adoptions(self.run)
         newest = max(adopted, default=0)
         if current_version(self.run) > newest:
@@ -392,6 +410,7 @@ class AdaptLoop:
         if not moves or self.settings.dry_run or verdict.bounds is None:
             return {}
         try:
+            self._in_force_cache = None  # a change is in flight from now on
             version = self._commit(tuple(verdict.bounds))
         except PlanError as exc:  # e.g. the run finished meanwhile: logged, not raised
             return {"error": f"commit refused: {exc}"}
@@ -413,6 +432,7 @@ class AdaptLoop:
         bounds = event["decision"]["bounds"]
         if bounds is not None and not self.settings.dry_run:
             try:
+                self._in_force_cache = None
                 version = self._commit(tuple(bounds))
             except PlanError as exc:
                 return [*events, event | {"error": f"commit refused: {exc}"}]

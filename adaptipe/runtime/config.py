@@ -43,7 +43,7 @@ complete example::
     backend = "auto"            # auto (nccl with a GPU per stage, else gloo) | gloo | nccl
     timeout_s = 60.0            # collective and p2p timeout
     telemetry = true            # stream stage stats and device samples to the manager
-    telemetry_interval_s = 0.2  # device-status sample period, 0.1-0.5 s
+    telemetry_interval_s = 0.5  # device-status sample period, 0.1-0.5 s
     link_telemetry = false      # also time every send per link (a watcher thread per peer)
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>

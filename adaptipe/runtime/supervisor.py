@@ -74,7 +74,7 @@ def spawn(
     *,
     resume: bool,
     telemetry: str | None,
-    telemetry_interval_s: float = 0.2,
+    telemetry_interval_s: float = 0.5,
     control_dir: Path | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Start one worker per stage on this host, each logging into the run directory."""
