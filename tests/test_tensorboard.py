@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -63,3 +64,35 @@ def test_a_missing_tensorboard_package_warns_and_gives_no_sink(
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.warns(UserWarning, match="tensorboard = false"):
         assert TensorBoardSink.open(tmp_path, {"0": "a"}) is None
+
+
+def test_a_sweep_writes_one_run_per_job_with_its_schedule_and_validation(
+    make_config: Any,
+) -> None:
+    """A real 2-job sweep: each job's loss every iteration, its scheduled learning rate,
+    the validation loss at the halving rung and at the end; none with tensorboard off."""
+    from adaptipe.runtime import train
+    from adaptipe.runtime.config import RunConfig
+
+    cfg = make_config(
+        data={"microbatches": 1, "batch_size": 16},
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "warmup": 4},
+        train={"iterations": 6},
+    )
+    data = cfg.to_dict()
+    data["sweep"] = {"grid": {"lr": [0.05, 0.1]}, "solver": "1f1b", "halving_every": 3}
+    summary = train(RunConfig.from_dict(data, source="tb.toml"))
+    root = Path(summary.run_dir) / "tensorboard"
+    assert sorted(p.name for p in root.iterdir()) == ["lr=0.05", "lr=0.1", "pipeline"]
+    for lr in (0.05, 0.1):  # the warm-up over 4 steps; one job stops at the rung
+        job = root / f"lr={lr}"
+        assert [step for step, _ in _scalars(job, "loss")][:3] == [0, 1, 2]
+        got = [v for _, v in _scalars(job, "lr")][:3]
+        assert got == pytest.approx([lr / 4, lr / 2, 3 * lr / 4], rel=1e-6)
+        assert next(step for step, _ in _scalars(job, "val_loss")) == 3  # the halving rung
+    ends = {step for lr in (0.05, 0.1) for step, _ in _scalars(root / f"lr={lr}", "val_loss")}
+    assert 6 in ends  # the final ranking's validation, for the job that trained on
+    assert _scalars(root / "pipeline", "samples_per_s")
+    data["train"].update(tensorboard=False, run_dir=data["train"]["run_dir"] + "-off")
+    off = train(RunConfig.from_dict(data, source="tb.toml"))
+    assert not (Path(off.run_dir) / "tensorboard").exists()

@@ -187,6 +187,7 @@ class TrainSection:
     backend: str = field(default="gloo", metadata=_rule(choices=("auto", "gloo", "nccl")))
     timeout_s: float = field(default=60.0, metadata=_rule(positive=True))
     telemetry: bool = True
+    tensorboard: bool = True  # RUN_DIR/tensorboard/: one run per job and the pipeline
     # 0.5 s since session 15 (was 0.2): the samplers' cost and the manager's device
     # frames fall by 60%; decisions read each stage's newest sample, and the features
     # are rates over the period (docs/benchmarks.md, "overhead, session 15").

@@ -52,12 +52,14 @@ from adaptipe.runtime.supervisor import (
     sigterm_raises,
     spawn,
 )
+from adaptipe.runtime.tboard import final_validation, open_sink, with_sink
 from adaptipe.schedule.types import Schedule
 from adaptipe.serial import json_line, load_json_file, write_json
 
 if TYPE_CHECKING:
     from adaptipe.inject.scenario import Scenario
     from adaptipe.monitor.publisher import Publisher
+    from adaptipe.monitor.tensorboard import TensorBoardSink
 
 __all__ = [
     "Plans",
@@ -227,12 +229,16 @@ class _Launch:
     start: int = 0  # the first iteration this launch trains
     adapt: AdaptLoop | None = None  # [adapt].controller's decision loop
     publisher: Publisher | None = None  # the manager's own events into the telemetry stream
+    tensorboard: TensorBoardSink | None = None  # RUN_DIR/tensorboard ([train] tensorboard)
     marked: bool = False  # this process is marked as the run's manager
 
     def announce(self, events: list[dict[str, Any]]) -> None:
         """Put the migrations and the controller's moves and errors among ``events`` on
         the telemetry stream too (so ``adaptipe monitor`` lists them with the
-        injections)."""
+        injections), and the validation losses of halving rungs into TensorBoard."""
+        if self.tensorboard is not None:
+            for e in events:
+                self.tensorboard.control(e)
         if self.collector is None:
             return
         for e in events:
@@ -259,6 +265,8 @@ class _Launch:
             self.collector.close()
         if self.marked:
             mark_manager(self.run, running=False)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _announced(e: dict[str, Any]) -> dict[str, Any] | None:
@@ -340,6 +348,7 @@ def _run(
         )
         procs = start_workers(resume=resume)
         workers = LocalWorkers(procs, functools.partial(start_workers, resume=True))
+    sink = open_sink(run, cfg)
     launch = _Launch(
         run=run,
         cfg=cfg,
@@ -349,9 +358,10 @@ def _run(
         controller=controller,
         collector=collector,
         interference=None,
-        on_iteration=on_iteration,
+        on_iteration=with_sink(on_iteration, sink),
         start=start,
         marked=marked,
+        tensorboard=sink,
     )
     if decider is not None and collector is not None and cfg.train.telemetry:
         launch.adapt = _adapt_loop(run, cfg, decider, chosen, collector, start, total)
@@ -379,6 +389,7 @@ def _run(
     summary = summarise(run, follower.merged, start=start, wall=wall)
     if cfg.sweep is not None:
         summary = replace(summary, jobs=rank_jobs(run))
+        final_validation(run, cfg, summary.jobs, start + summary.iterations)
     write_json(run.summary, summary.to_json())  # to_json: strict already
     return summary
 
