@@ -189,3 +189,33 @@ def test_clipping_is_refused_where_it_cannot_run_yet(tmp_path: Path) -> None:
         RunConfig.from_dict(data, source="x.toml")
     with pytest.raises(PlanError, match="needs a synchronous schedule"):
         _config(tmp_path, "y", optimizer=CLIP, pipeline={"schedule": "2bw", "update_every": 2})
+
+
+def test_a_schedule_and_clipping_together_ignore_the_cut_and_match_a_plain_loop(
+    tmp_path: Path,
+) -> None:
+    both = {**SCHEDULE, "clip_grad_norm": 0.05}
+    first = _config(tmp_path, "a", optimizer=both, pipeline={"partition": [0, 3, 6]})
+    second = _config(tmp_path, "b", optimizer=both, pipeline={"partition": [0, 1, 6]})
+    got = _layers(_final(train(first).run_dir))
+    _bitwise_same(_layers(_final(train(second).run_dir)), got)
+    spec = first.model.spec()
+    model = spec.build_all(seed=first.train.seed)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=first.optimizer.lr, momentum=first.optimizer.momentum
+    )
+    schedule = first.optimizer.lr_schedule()
+    assert schedule is not None
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule.factor)
+    batches = spec.dataset(split="train").batches(first.data.batch_size, seed=first.data.seed or 0)
+    m = first.data.microbatches
+    for _, (x, y) in zip(range(6), batches, strict=False):
+        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+            (spec.loss(model(xs), ys) / m).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    for i, layer in enumerate(model):
+        for n, p in layer.named_parameters():
+            torch.testing.assert_close(got[f"layers.{i}.{n}"], p.detach(), rtol=1e-5, atol=1e-7)

@@ -60,8 +60,10 @@ def test_time_sliced_jobs_end_as_trained_alone_with_the_allocated_shares(tmp_pat
     folder = tmp_path / "examples"
     shutil.copytree(ROOT / "examples" / "cluster", folder / "cluster")
     for config in (folder / "cluster").glob("*.toml"):  # shorter jobs: fewer rounds
-        config.write_text(config.read_text().replace("iterations = 100", "iterations = 60"))
-    (folder / "spec.toml").write_text(EXAMPLE.read_text())
+        text = config.read_text().replace("iterations = 600", "iterations = 60")
+        config.write_text(text.replace("batch_size = 512", "batch_size = 64"))
+    spec_text = EXAMPLE.read_text().replace("checkpoint_every = 20", "checkpoint_every = 2")
+    (folder / "spec.toml").write_text(spec_text)
     spec = load_spec(folder / "spec.toml")
     result = run_sliced(spec, tmp_path / "out", say=lambda _: None)
     assert set(result["completion_s"]) == {"mlp-a", "mlp-b", "mlp-c"}

@@ -147,3 +147,26 @@ def test_the_example_sweep_reads_with_its_four_jobs() -> None:
         (0.001, 0), (0.001, 20), (0.003, 0), (0.003, 20),
     ]  # fmt: skip
     assert cfg.model.spec().layer_names() == ["stem", "res0", "res1", "res2", "res3", "head"]
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        ("nowhere.py:build", r"\[model\]\.factory: no file"),
+        ("user_model.py:missing", r"has no function 'missing'"),
+        ("no_such_package.mod:build", r"importing failed"),
+        ("user_model.py:build_wrong_type", r"must return \(layers, loss, dataset\)"),
+        ("user_model.py:build_two_inputs", r"layer '1' failed on the previous layer's output"),
+        ("user_model.py:build_words", r"item 0's input is a str"),
+    ],
+)
+def test_a_bad_factory_names_the_file_and_the_field(
+    tmp_path: Path, factory: str, match: str
+) -> None:
+    (tmp_path / "user_model.py").write_text(FACTORY.read_text())
+    data = copy.deepcopy(BASE)
+    data["model"] = {"factory": factory}
+    with pytest.raises(PlanError, match=match) as info:
+        RunConfig.from_dict(data, source=str(tmp_path / "bad.toml"))
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'bad.toml'}: ") and "[model].factory" in message

@@ -353,7 +353,10 @@ def _user_model(
         resolved = resolve_factory(ref, base=base)
         spec = user_model(resolved, **options)
     except PlanError as exc:
-        raise PlanError(f"{source}: {exc}") from None
+        message = str(exc)
+        if "[model].factory" not in message:  # the model's own words: say where from
+            message = f"[model].factory {ref!r}: {message}"
+        raise PlanError(f"{source}: {message}") from None
     except TypeError as exc:  # the factory refused [model.config]'s keywords
         raise _fail(source, "[model.config]", f"does not fit the factory {ref!r}: {exc}") from None
     name = raw.get("name", spec.name)

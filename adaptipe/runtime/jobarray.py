@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from adaptipe.errors import PlanError
 from adaptipe.japsp.array import ArrayCosts, SolveSettings, solve_array
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.models import ModelSpec
@@ -48,7 +49,10 @@ def plan_job_array(
     assert config.sweep is not None
     jobs = [config.jobs[j] for j in (active if active is not None else range(len(config.jobs)))]
     for index in range(spec.num_layers):  # before any worker starts: the binder's rule
-        refuse_unbindable(index, spec.build_layer(index, seed=jobs[0].seed, device="meta"))
+        try:
+            refuse_unbindable(index, spec.build_layer(index, seed=jobs[0].seed, device="meta"))
+        except PlanError as exc:
+            raise PlanError(f"{config.source}: [sweep] with [model] {spec.name!r}: {exc}") from None
     profiles: dict[int, Profile] = {}
     for job in jobs:
         if job.batch_size not in profiles:

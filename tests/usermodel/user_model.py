@@ -83,3 +83,36 @@ class Pair(nn.Module):
 
 def build_tuple_output() -> tuple[object, object, object]:
     return nn.Sequential(nn.Linear(8, 8), Pair()), nn.functional.mse_loss, Points(16, 8, seed=0)
+
+
+def build_wrong_type() -> int:
+    return 3
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * mask
+
+
+def build_two_inputs() -> tuple[object, object, object]:
+    return (
+        nn.Sequential(nn.Linear(8, 8), TwoInputs()),
+        nn.functional.mse_loss,
+        Points(16, 8, seed=0),
+    )
+
+
+class Words(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[str, int]:
+        return "word", i
+
+
+def build_words() -> tuple[object, object, object]:
+    return nn.Sequential(nn.Linear(8, 8)), nn.functional.mse_loss, Words()
