@@ -88,7 +88,7 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
     import torch
 
     from adaptipe.controllers.artifacts import describe, shipped
-    from adaptipe.controllers.chain import Chain
+    from adaptipe.controllers.chain import MIN_GAIN, Chain
     from adaptipe.controllers.interference import load_interference
     from adaptipe.controllers.online import ADAPTED_DIR, OnlineSettings, OnlineTuner
     from adaptipe.controllers.predictor import load_predictor
@@ -126,6 +126,7 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
         tuner=tuner,
         why=why,
         switch_folder=folder,
+        min_gain=max(MIN_GAIN, adapt.margin / (1.0 + adapt.margin)),
     )
 
 
