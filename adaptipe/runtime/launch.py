@@ -325,6 +325,7 @@ def _run(
     # Built before any worker starts: a controller that cannot run here (a learned policy
     # for another stage count) is refused with nothing to clean up.
     chosen = decider(run, cfg) if decider is not None and cfg.adapt.controller != "none" else None
+    sink = open_sink(run, cfg)  # before the workers: importing tensorboard takes ~1 s
     t0 = time.monotonic()
     # Injection events travel as telemetry, so a scenario keeps the collector on.
     monitored = cfg.train.telemetry or scenario is not None
@@ -348,7 +349,6 @@ def _run(
         )
         procs = start_workers(resume=resume)
         workers = LocalWorkers(procs, functools.partial(start_workers, resume=True))
-    sink = open_sink(run, cfg)
     launch = _Launch(
         run=run,
         cfg=cfg,
