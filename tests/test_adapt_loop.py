@@ -305,9 +305,10 @@ def slowed_config(
     *,
     train: dict[str, Any],
     adapt: dict[str, Any],
+    pipeline: dict[str, Any] | None = None,
 ) -> tuple[RunConfig, Path]:
-    """A two-stage config whose iterations take tens of milliseconds, and a scenario
-    slowing stage 1 4x from iteration 10."""
+    """A config (two stages unless ``pipeline`` says otherwise) whose iterations take
+    tens of milliseconds, and a scenario slowing stage 1 4x from iteration 10."""
     scenario = tmp_path / "slow.toml"
     scenario.write_text(
         '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
@@ -315,6 +316,7 @@ def slowed_config(
     cfg = make_config(
         model={"config": {"hidden": 192, "num_samples": 4096}},
         data={"batch_size": 64},
+        pipeline=pipeline or {},
         train=train,
         adapt=adapt,
     )

@@ -15,23 +15,19 @@ import pytest
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import train
-from tests.test_adapt_loop import _control
+from tests.test_adapt_loop import _control, slowed_config
 
 
 @pytest.mark.slow
 def test_the_chain_decides_live_and_moves_layers_off_a_slowed_stage(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
-    scenario = tmp_path / "slow.toml"
-    scenario.write_text(
-        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
-    )
-    cfg = make_config(
-        model={"config": {"hidden": 192, "num_samples": 4096}},
-        data={"batch_size": 64},
-        pipeline={"stages": 4},
+    cfg, scenario = slowed_config(
+        make_config,
+        tmp_path,
         train={"iterations": 60},
         adapt={"controller": "ppo", "check_every": 2, "window": 4, "cooldown": 1000},
+        pipeline={"stages": 4},
     )
     started = time.monotonic()
     train(cfg, inject=scenario, decider=live_decider)

@@ -13,19 +13,16 @@ import pytest
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
+from tests.test_adapt_loop import slowed_config
 
 
 @pytest.mark.slow
 def test_the_2_stage_policy_moves_layers_off_a_slowed_stage_in_a_real_run(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
-    scenario = tmp_path / "slow.toml"
-    scenario.write_text(
-        '[[inject]]\nkind = "slowdown"\nat_iteration = 10\nstage = 1\nfactor = 4.0\n'
-    )
-    cfg = make_config(
-        model={"config": {"hidden": 192, "num_samples": 4096}},
-        data={"batch_size": 64},
+    cfg, scenario = slowed_config(
+        make_config,
+        tmp_path,
         train={"iterations": 50},
         adapt={"controller": "ppo", "check_every": 2, "window": 4},
     )
