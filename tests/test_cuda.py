@@ -162,3 +162,62 @@ def test_a_round_feed_copies_each_round_to_the_gpu_without_waiting() -> None:
         assert x is not None and y is not None and x.is_cuda and y.is_cuda
         r, i = divmod(index, 2)
         assert torch.equal(x.cpu(), want[r][i][0]) and torch.equal(y.cpu(), want[r][i][1])
+
+
+def test_a_warned_gpu_stage_offloads_a_job_state_and_every_job_ends_as_without(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """The memory guard reads the device's reserved memory on a CUDA stage; an injected
+    device allocation growing on stage 1 warns it, and it keeps one job state fewer
+    resident (3 -> 2 of 4) while the manager moves a layer away."""
+    from adaptipe.controllers.live import decider as live_decider
+    from tests.test_memory_relief import _stage_events
+
+    def array(run_dir: Path, limit_mb: int) -> RunConfig:
+        data = make_config(
+            model={"config": {"hidden": 192, "num_samples": 16384}},
+            data={"microbatches": 1, "batch_size": 32},
+            optimizer={"lr": 0.002},
+            train={
+                "device": "cuda",
+                "iterations": 60,
+                "run_dir": str(run_dir),
+                "stage_memory_mb": limit_mb,
+            },
+            adapt={"cooldown": 1000},
+        ).to_dict()
+        data["sweep"] = {
+            "grid": {"lr": [0.002, 0.005], "batch_size": [16, 32]},
+            "solver": "1f1b",
+            "memory_budget": 3,
+            "window": 2,
+        }
+        return RunConfig.from_dict(data, source="test.toml")
+
+    train(array(tmp_path / "base", 100_000), decider=live_decider)
+    base_events = _stage_events(tmp_path / "base", 1)
+    peak = next(e["used_mb"] for e in base_events if e["event"] == "memory_peak")
+    assert not any(e["event"] == "memory_warning" for e in base_events)
+    scenario = tmp_path / "memory.toml"
+    scenario.write_text(
+        '[[inject]]\nkind = "memory"\nat_iteration = 10\nstage = 1\ngib = 0.4\ngrow_mb = 40\n'
+    )
+    limit = int(peak) + 450
+    cfg = array(tmp_path / "mem", limit)
+    train(cfg, decider=live_decider, inject=scenario)
+
+    events = _stage_events(tmp_path / "mem", 1)
+    warnings = [e for e in events if e["event"] == "memory_warning"]
+    assert warnings and warnings[0]["offload"] == {"from": 3, "to": 2}, events
+    used = next(e for e in events if e["event"] == "memory_peak")["used_mb"]
+    assert peak + 300 < used < limit  # the device load was read; no out-of-memory
+    control = (tmp_path / "mem" / "control.jsonl").read_text().splitlines()
+    migrations = [e for e in map(json.loads, control) if e["event"] == "migration"]
+    print("base peak", peak, "limit", limit, "used", used, "warnings", warnings[:2])
+    print("migrations", [(m["bounds"], m["ok"]) for m in migrations])
+    assert all(m["ok"] for m in migrations)
+    for job in cfg.jobs:
+        want = _job_params(str(tmp_path / "base"), job.index)
+        got = _job_params(str(tmp_path / "mem"), job.index)
+        assert all(torch.isfinite(v).all() for v in want.values())
+        _assert_close(got, want)

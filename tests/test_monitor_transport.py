@@ -158,6 +158,20 @@ def test_device_sampler_publishes_samples(collector: Collector) -> None:
         DeviceSampler(publisher.publish, stage=0, interval_s=0.01)
 
 
+def test_a_sampler_stopped_before_its_first_tick_still_publishes_one_sample() -> None:
+    got: list[Record] = []
+
+    def publish(record: Record) -> bool:
+        got.append(record)
+        return True
+
+    sampler = DeviceSampler(publish, stage=3, interval_s=0.5).start()
+    time.sleep(0.05)
+    sampler.stop()
+    assert len(got) == 1 and sampler.samples == 1  # a run shorter than the interval
+    assert isinstance(got[0], DeviceSample) and got[0].stage == 3
+
+
 def test_link_samples_are_kept_per_link_in_a_ring(collector: Collector) -> None:
     meter = LinkMeter(0, 1)
     with Publisher(collector.address, stage=0) as publisher:

@@ -5,7 +5,8 @@ worker: a guard that reads the worker's own resident set
 (`adaptipe.runtime.memory_guard`) would not see it. This hook, run by the worker the
 injection names, reads the scenario's control files (`read_memory_loads`) at each
 window boundary and holds, per active injection, ``grow_mb`` MB more than at the last
-boundary, up to its ``mb``; memory of an injection that has ended is released.
+boundary, up to its ``mb``; memory of an injection that has ended is released. On a
+CUDA stage the blocks are device memory, which is what that stage's guard reads.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ class WorkerMemory:
     """A worker hook (`adaptipe.runtime.hooks.WorkerHook`) that allocates the memory
     loads aimed at its stage."""
 
-    def __init__(self, control_dir: str | os.PathLike[str], rank: int) -> None:
+    def __init__(
+        self, control_dir: str | os.PathLike[str], rank: int, *, device: Any = None
+    ) -> None:
         self.control_dir, self.rank = control_dir, rank
-        self.held: dict[str, list[bytes | bytearray]] = {}  # per injection, its blocks
+        self.device = device if getattr(device, "type", "cpu") == "cuda" else None
+        self.held: dict[str, list[object]] = {}  # per injection, its blocks
         self.held_mb: dict[str, float] = {}
 
     def edges(self) -> set[int]:
@@ -47,8 +51,16 @@ class WorkerMemory:
         size = int((want - have) * _MB)
         if size <= 0:
             return
-        # touched: written, so resident; untouched: reserved (zero pages, not resident)
-        block: bytes | bytearray = b"\x5a" * size if load.get("touch", True) else bytearray(size)
+        touch = bool(load.get("touch", True))
+        block: object
+        if self.device is not None:
+            import torch
+
+            block = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if touch:
+                block.fill_(0x5A)
+        else:  # touched: written, so resident; untouched: reserved (zero pages)
+            block = b"\x5a" * size if touch else bytearray(size)
         self.held.setdefault(origin, []).append(block)
         self.held_mb[origin] = want
 

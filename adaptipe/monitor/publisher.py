@@ -218,6 +218,7 @@ class DeviceSampler:
         self._probe = probe
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._warned = False
 
     def start(self) -> Self:
         if self._thread is not None:
@@ -231,28 +232,32 @@ class DeviceSampler:
         t0 = time.thread_time()
         probe = self._probe or open_probe(self.device_index)
         self.cpu_s += time.thread_time() - t0
-        warned = False
         next_t = time.monotonic() + self.interval_s
         while not self._stop.wait(max(0.0, next_t - time.monotonic())):
-            t0 = time.thread_time()
-            try:
-                fields = probe.read()
-                self._publish(
-                    DeviceSample(
-                        stage=self.stage, time_s=time.time(), source=probe.source, fields=fields
-                    )
-                )
-                self.samples += 1
-            except Exception as exc:  # keep sampling; say so once
-                if not warned:
-                    log.warning("device sampler on stage %d failed: %r", self.stage, exc)
-                    warned = True
-            self.cpu_s += time.thread_time() - t0
+            self._sample(probe)
             next_t += self.interval_s
             if next_t < time.monotonic():  # fell behind (e.g. a suspended process): skip ticks
                 next_t = time.monotonic() + self.interval_s
+        if self.samples == 0:  # stopped before the first tick: a short run still gets one
+            self._sample(probe)
         if self._probe is None:
             probe.close()
+
+    def _sample(self, probe: DeviceProbe) -> None:
+        t0 = time.thread_time()
+        try:
+            fields = probe.read()
+            self._publish(
+                DeviceSample(
+                    stage=self.stage, time_s=time.time(), source=probe.source, fields=fields
+                )
+            )
+            self.samples += 1
+        except Exception as exc:  # keep sampling; say so once
+            if not self._warned:
+                log.warning("device sampler on stage %d failed: %r", self.stage, exc)
+                self._warned = True
+        self.cpu_s += time.thread_time() - t0
 
     def stop(self, timeout_s: float = 2.0) -> None:
         self._stop.set()

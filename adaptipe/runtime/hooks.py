@@ -262,7 +262,7 @@ def worker_hooks(run: RunDir, config: RunConfig, stage: Stage, transport: Link) 
         from adaptipe.inject.inworker import WorkerMemory
 
         hooks.append(_Interference(control_dir, stage.rank, transport))
-        hooks.append(WorkerMemory(control_dir, stage.rank))  # memory aimed at this stage
+        hooks.append(WorkerMemory(control_dir, stage.rank, device=stage.device))
     target = telemetry_target(run, config)
     if target is not None:
         interval = config.train.telemetry_interval_s
