@@ -244,7 +244,7 @@ def test_a_run_directory_from_before_data_seeds_keeps_its_data_order(tmp_path: P
             {},
             "(allowed: name, lr, batch_size, weight_decay, momentum, optimizer, seed, data_seed, "
             "schedule, warmup, decay_iterations, min_lr_ratio, step_every, gamma, "
-            "nesterov, betas, eps, clip_grad_norm)",
+            "clip_grad_norm, nesterov, betas, eps)",
         ),
     ],
 )

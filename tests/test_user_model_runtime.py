@@ -146,6 +146,7 @@ def test_the_example_sweep_reads_with_its_four_jobs() -> None:
     assert [(j.optimizer.lr, j.optimizer.warmup) for j in cfg.jobs] == [
         (0.001, 0), (0.001, 20), (0.003, 0), (0.003, 20),
     ]  # fmt: skip
+    assert {j.optimizer.clip_grad_norm for j in cfg.jobs} == {1.0}
     assert cfg.model.spec().layer_names() == ["stem", "res0", "res1", "res2", "res3", "head"]
 
 

@@ -145,6 +145,10 @@ class Binder:
         holder = _ParamHolder(self.states[job][index].params)
         return holder, self.states[job][index].optimizer
 
+    def holders(self, job: int) -> list[tuple[int, nn.Module]]:
+        """``(index, module)`` holding job ``job``'s parameters, per layer in order."""
+        return [(index, self.state(job, index)[0]) for index in self.layers]
+
 
 class _ParamHolder(nn.Module):
     """Presents a dict of parameters under their original names (``state_dict`` keys)."""

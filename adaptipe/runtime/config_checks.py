@@ -114,17 +114,11 @@ def _check_partition(config: RunConfig, spec: ModelSpec, total: int) -> None:
 
 
 def _check_clip(config: RunConfig) -> None:
-    """Clipping by the global norm runs on single jobs with synchronous schedules so far."""
+    """Clipping by the global norm needs a synchronous schedule (one step per flush)."""
     jobs = config.sweep.jobs if config.sweep is not None else ()
     if not config.optimizer.clip_grad_norm and not any(j.optimizer.clip_grad_norm for j in jobs):
         return
     where = "[optimizer].clip_grad_norm"
-    if config.sweep is not None:
-        raise _fail(
-            config.source, where,
-            "is not supported with a [sweep] yet (a job-array steps each job on its own "
-            "schedule); train the jobs one by one, or set it to 0",
-        )  # fmt: skip
     if config.pipeline.schedule in ("pipedream", "2bw"):
         raise _fail(
             config.source, where,

@@ -22,6 +22,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -30,7 +31,10 @@ from torch.func import functional_call
 from adaptipe.profile.wgrad import WeightGradStash, defer_weight_grads
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.iteration_stats import IterationStats
+from adaptipe.runtime.jobclip import JobClip
 from adaptipe.runtime.memory import MemoryManager
+from adaptipe.runtime.program_needs import plan_receives, versions_needed_after
+from adaptipe.runtime.recipe import scale_gradients
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, TensorSpec, TransferKey, Transport
@@ -138,7 +142,7 @@ class StageExecutor:
         self.steps_done = 0  # optimizer steps applied so far (global weight version)
         self._draw_step = 0  # steps_done when the running iteration began (random draws)
         self._snapshots: dict[int, list[list[dict[str, Tensor]]]] = {}
-        self._receives = self._plan_receives() if boundary_specs else []
+        self._receives = plan_receives(schedule, stage, self.program, boundary_specs)
         self._layer_fwd: dict[int, float] = {}
         self._layer_bwd: dict[int, float] = {}
         # Injected interference: compute takes `slowdown` times as long (1.0 = none).
@@ -146,39 +150,15 @@ class StageExecutor:
         # Called with (step, slots) just before each optimizer step: a streamed migration
         # logs the gradients of the layers on their way out (`adaptipe.runtime.streamed`).
         self.step_tap: Callable[[int, list[LayerSlot]], None] | None = None
+        self.job_clip: JobClip | None = None  # a job-array's clipping (`jobclip`)
         # Set by the worker for the iterations it traces ([train] trace_iterations).
         self.trace: TraceRecorder | None = None
-        self._versions_after = self._versions_needed_after() if self.versioned else []
+        self._versions_after = versions_needed_after(self.program) if self.versioned else []
         self._rounds: tuple[int, list[int]] | None = None  # (per round, round of each pos)
 
     # ------------------------------------------------------------------ planning
     def _vstage(self, chunk: int) -> int:
         return self.schedule.vstage(self.stage, chunk)
-
-    def _plan_receives(self) -> list[tuple[TransferKey, int, TensorSpec]]:
-        out: list[tuple[TransferKey, int, TensorSpec]] = []
-        for ins in self.program:
-            match ins:
-                case RecvActivation(job=j, microbatch=m, chunk=c, peer=p):
-                    b = self._vstage(c)
-                    out.append((TransferKey(j, m, b, ACTIVATION), p, self.boundary_specs[(j, b)]))
-                case RecvGradient(job=j, microbatch=m, chunk=c, peer=p):
-                    b = self._vstage(c) + 1
-                    out.append((TransferKey(j, m, b, GRADIENT), p, self.boundary_specs[(j, b)]))
-                case _:
-                    pass
-        return out
-
-    def _versions_needed_after(self) -> list[set[int]]:
-        """For each position, the (window-relative) versions later instructions use."""
-        needed: list[set[int]] = [set() for _ in self.program]
-        later: set[int] = set()
-        for pos in range(len(self.program) - 1, -1, -1):
-            needed[pos] = set(later)
-            ins = self.program[pos]
-            if isinstance(ins, Forward | Backward | Recompute):
-                later.add(ins.version)
-        return needed
 
     # ------------------------------------------------------------------ weights
     def _snapshot(self, version: int) -> list[list[dict[str, Tensor]]]:
@@ -197,14 +177,14 @@ class StageExecutor:
         """Run ``program``, this stage's list reordered (`adaptipe.runtime.inflight`),
         from the next iteration on."""
         self.program = program
-        self._receives = self._plan_receives() if self.boundary_specs else []
-        self._versions_after = self._versions_needed_after() if self.versioned else []
+        self._receives = plan_receives(self.schedule, self.stage, program, self.boundary_specs)
+        self._versions_after = versions_needed_after(self.program) if self.versioned else []
         self._rounds = None
 
     def set_boundary_specs(self, specs: dict[tuple[int, int], TensorSpec]) -> None:
         """Install the negotiated boundary shapes (after `forward_only` found them)."""
         self.boundary_specs = specs
-        self._receives = self._plan_receives()
+        self._receives = plan_receives(self.schedule, self.stage, self.program, specs)
 
     def forward_only(self, job: int, chunk: int, x: Tensor) -> Tensor:
         """Run a chunk for ``job`` with its current weights (shape inference, evaluation)."""
@@ -296,6 +276,9 @@ class StageExecutor:
         self._layer_fwd = {}
         self._layer_bwd = {}
         self._wgrad.clear()
+        clip = self.job_clip
+        if clip is not None:
+            clip.plan(self.schedule, at_step=self.memory is not None and self.memory.enabled)
         with self._deferring():
             for pos, ins in enumerate(self.program):
                 if rounds is not None and not rounds.runs(pos):
@@ -316,6 +299,8 @@ class StageExecutor:
                         key = TransferKey(j, m, self._vstage(c), GRADIENT)
                         transport.send(it.grads_out.pop((j, m, c)), p, key)
                     case Forward():
+                        if clip is not None:
+                            clip.complete(ins.job)
                         it.compute += self._forward(ins, it)
                     case Recompute():
                         it.compute += self._recompute(ins, it)
@@ -328,6 +313,8 @@ class StageExecutor:
                 f"stage {self.stage}: {len(self._wgrad)} deferred weight gradients were never "
                 "applied (no OptimizerStep after the last Backward)"
             )
+        if clip is not None:
+            clip.end_window()
         transport.flush()
         self._snapshots.clear()
         it.stats.cut_at = rounds.cut if rounds is not None else None
@@ -421,15 +408,28 @@ class StageExecutor:
     def _optimizer_step(self, ins: OptimizerStep, pos: int, base: int) -> float:
         t0 = time.perf_counter()
         if self.binder is not None:
-            self.binder.step(ins.job)
-            spent = self._done("step", ins.job, -1, -1, t0)
-            if self.memory is not None:
-                self.memory.after_step(ins.job)
-            return spent
+            if self.job_clip is None:
+                self._job_step(ins.job, None)
+            else:
+                release = None if self.memory is None else partial(self.memory.after_step, ins.job)
+                apply = partial(self._job_step, ins.job)
+                self.job_clip.step(ins.job, self.binder.holders(ins.job), apply, release)
+            return self._done("step", ins.job, -1, -1, t0)
         if self.batch_weight_grads:
             self._flush_weight_grads()
         self._step(pos, base)
         return self._done("step", ins.job, -1, -1, t0)
+
+    def _job_step(self, job: int, coef: float | None) -> None:
+        """A job-array's step of ``job``, its gradients scaled by ``coef`` (clipping)."""
+        assert self.binder is not None
+        if self.memory is not None:
+            self.memory.ensure_resident(job)  # a clipped step applied later (`jobclip`)
+        if coef is not None:
+            scale_gradients((m for _, m in self.binder.holders(job)), coef)
+        self.binder.step(job)
+        if self.memory is not None:
+            self.memory.after_step(job)
 
     def _finish(self, it: _Iteration, t_start: float) -> IterationStats:
         stats = it.stats

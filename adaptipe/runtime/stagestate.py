@@ -32,7 +32,9 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.binder import Binder
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.data import loss_scale as default_loss_scale
+from adaptipe.runtime.jobclip import JobClip, job_clip
 from adaptipe.runtime.memory import MemoryManager
+from adaptipe.runtime.recipe import global_clip
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, Transport
@@ -73,6 +75,7 @@ class Stage:
         self._memory_layers: list[int] = []  # the layers the memory manager was built for
         self._step_tap: Callable[[int, list[LayerSlot]], None] | None = None
         self._clip: Callable[[list[LayerSlot]], None] | None = None
+        self._job_clip: JobClip | None = None
 
     # ------------------------------------------------------------------ state
     def layers(self) -> list[int]:
@@ -304,6 +307,7 @@ class Stage:
             executor.steps_done = previous.steps_done
             executor.slowdown = previous.slowdown
         executor.step_tap = self._tap()
+        executor.job_clip = self._job_clip
         self.executor = executor
 
     def tap_steps(self, tap: Callable[[int, list[LayerSlot]], None] | None) -> None:
@@ -319,6 +323,24 @@ class Stage:
         self._clip = clip
         if self.executor is not None:
             self.executor.step_tap = self._tap()
+
+    def install_clipping(self) -> None:
+        """What ``clip_grad_norm`` asks for: one job's `global_clip`, or a job-array's
+        `job_clip` (called once by every stage, in the same order as its other groups)."""
+        n = self.spec.num_layers
+        if self.binder is None:
+            self.clip_gradients(global_clip(self.config.optimizer.clip_grad_norm, n))
+        else:
+            self.clip_jobs(
+                job_clip({j.index: j.optimizer.clip_grad_norm for j in self.config.jobs}, n)
+            )
+
+    def clip_jobs(self, clip: JobClip | None) -> None:
+        """Clip a job-array's jobs by their global norms (`adaptipe.runtime.jobclip`)
+        in every executor from now on."""
+        self._job_clip = clip
+        if self.executor is not None:
+            self.executor.job_clip = clip
 
     def _tap(self) -> Callable[[int, list[LayerSlot]], None] | None:
         clip, tap = self._clip, self._step_tap

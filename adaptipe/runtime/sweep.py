@@ -87,13 +87,13 @@ JOB_FIELDS = (
     "min_lr_ratio",
     "step_every",
     "gamma",
+    "clip_grad_norm",
 )
 _SCHEDULE = ("schedule", "warmup", "decay_iterations", "min_lr_ratio", "step_every", "gamma")
 _JOB_ONLY_FIELDS = (
     "nesterov",
     "betas",
     "eps",
-    "clip_grad_norm",
 )  # [[sweep.jobs]] only, not grid axes
 # The optimizers and the fields each reads besides lr and weight_decay
 # (`OptimizerSection.build`); [optimizer].name takes these names.

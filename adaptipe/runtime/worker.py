@@ -65,7 +65,6 @@ from adaptipe.runtime.memory_guard import guard_hook
 from adaptipe.runtime.migration import layers_of, migrate
 from adaptipe.runtime.plan_switch import PlanSwitch
 from adaptipe.runtime.planversion import PlanVersion
-from adaptipe.runtime.recipe import global_clip
 from adaptipe.runtime.records import done_record, iteration_record, log
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import MicroBatches
@@ -154,7 +153,7 @@ class _Worker:
         spec = config.model.spec()
         partition, schedule = run.read_partition(), run.read_schedule()
         stage = build_stage(spec, partition, schedule, proc.rank, config, device)
-        stage.clip_gradients(global_clip(config.optimizer.clip_grad_norm, spec.num_layers))
+        stage.install_clipping()
         start = load_latest(run, spec, stage, restore=proc.rank == 0) if resume else 0
         if resume:
             dist.barrier()  # rank 0 restored the checkpoint's plan history: all read it
