@@ -155,6 +155,22 @@ def _array(make_config: Callable[..., RunConfig], run_dir: Path, iterations: int
     return RunConfig.from_dict(data, source="test.toml")
 
 
+def _commit_after_iteration_1(
+    make_config: Callable[..., RunConfig], live: Path, iterations: int
+) -> int:
+    """Train, committing a move as the manager merges iteration 1; where it came in."""
+    asked: list[int] = []
+
+    def on_iteration(record: dict[str, Any], total: int) -> None:
+        if not asked and record["iteration"] >= 1:
+            asked.append(repartition(live, [0, 4, 6]).version)
+
+    train(_array(make_config, live, iterations), on_iteration=on_iteration)
+    adopted = adoptions(RunDir(live))
+    assert list(adopted) == asked == [1]
+    return adopted[1]
+
+
 def _stage_events(run_dir: Path, kind: str) -> list[list[dict[str, Any]]]:
     run = RunDir(run_dir)
     return [
@@ -164,27 +180,26 @@ def _stage_events(run_dir: Path, kind: str) -> list[list[dict[str, Any]]]:
     ]  # fmt: skip
 
 
-# Slow-marked in session 15: in two of three full fresh-clone runs no window was cut
-# (the commit from the manager's first records landed on a window's end), while it
-# passes alone. It times the manager against 16 iterations of a tiny MLP; see the
-# session 15 closing note.
+# The manager commits the plan when it merges iteration 1; on a loaded machine the
+# stages may be at a window's end by then (two full fresh-clone runs of session 15 cut
+# no window). That landing is legal and takes no cut; the test then tries again, up to
+# three runs, for a landing inside a window, which is what it is about. Slow: 30-90 s.
 @pytest.mark.slow
 def test_a_plan_committed_mid_window_comes_in_at_the_next_iteration(
     make_config: Callable[..., RunConfig], tmp_path: Path
 ) -> None:
     iterations = 160  # windows of 16: the request lands inside one
     train(_array(make_config, tmp_path / "still", iterations))
-    live = tmp_path / "live"
-    asked: list[int] = []
-
-    def on_iteration(record: dict[str, Any], total: int) -> None:
-        if not asked and record["iteration"] >= 1:
-            asked.append(repartition(live, [0, 4, 6]).version)
-
-    train(_array(make_config, live, iterations), on_iteration=on_iteration)
+    for attempt in range(3):
+        live = tmp_path / f"live-{attempt}"
+        came_in = _commit_after_iteration_1(make_config, live, iterations)
+        if came_in % 16:
+            break
+        assert _stage_events(live, "window_cut") == [[], []]  # at a window's end: no cut
+    else:
+        pytest.fail("three runs in a row took the plan at a window's end")
     run = RunDir(live)
     adopted = adoptions(run)
-    assert list(adopted) == asked == [1]
     cuts = _stage_events(live, "window_cut")
     # every stage ended the same window at the same iteration, before its planned end,
     # and that is where the new partition came in
