@@ -119,6 +119,8 @@ class AdaptLoop:
             ``adaptipe adapt --controller`` is refused here with an error event.
         checkpoint_due: whether a checkpoint is written after that many iterations
             (`adaptipe.runtime.control.checkpoint_due`; None: no state saved).
+        memory_warnings: whether stages warn of memory (``[train] stage_memory_mb``);
+            without, the loop never scans the control folder for their requests.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class AdaptLoop:
         clock: Callable[[], float] = time.monotonic,
         rebuild: Callable[[str], Decider | None] | None = None,
         checkpoint_due: Callable[[int], bool] | None = None,
+        memory_warnings: bool = True,
     ) -> None:
         self.run, self.settings, self.decider = run, settings, decider
         self._checkpoint_due = checkpoint_due
@@ -157,7 +160,9 @@ class AdaptLoop:
         self._pending: list[_Pending] = []
         self._last_move: int | None = None  # the iteration of the last committed move
         self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
-        self._memory = MemoryRelief(run.root)
+        # the control folder is scanned only where stages run a memory guard
+        self._memory = MemoryRelief(run.root) if memory_warnings else None
+        self._override_path = run.root / ADAPT_REQUEST
 
     @property
     def active(self) -> bool:
@@ -236,9 +241,8 @@ class AdaptLoop:
     def _overridden(self) -> list[dict[str, Any]]:
         """Apply a new ``adaptipe adapt`` request (the file is stat'ed each poll, read
         only when it changed)."""
-        path = self.run.root / ADAPT_REQUEST
         try:
-            st = path.stat()
+            st = self._override_path.stat()
         except OSError:
             return []
         stamp = (st.st_mtime_ns, st.st_size)
@@ -422,6 +426,8 @@ class AdaptLoop:
     def _relieve(self) -> list[dict[str, Any]]:
         """The workers' memory warnings logged; the oldest unanswered one answered once
         no change or call is in flight and the cooldown allows (module doc)."""
+        if self._memory is None:
+            return []
         events = self._memory.poll()
         # A timed-out call's late answer is dropped (under its lock): it blocks nothing.
         idle = self._call is None or self._call.timed_out

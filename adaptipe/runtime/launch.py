@@ -477,6 +477,7 @@ def _adapt_loop(
         start=start,
         rebuild=rebuild,
         checkpoint_due=functools.partial(checkpoint_due, cfg, total=total),
+        memory_warnings=cfg.train.stage_memory_mb is not None,
     )
 
 
