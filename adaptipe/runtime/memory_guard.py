@@ -223,6 +223,8 @@ class MemoryGuardHook:
     def _admit(self, window: Window, warned: bool) -> dict[str, Any]:
         """This window's executor runs its capped list while warned, its own otherwise."""
         ex = window.executor
+        if not warned and ex not in self._lists:  # never capped: no cap to work out yet
+            return {"from": None, "to": None}
         if ex not in self._lists:
             per_round = ex.schedule.num_microbatches // window.rounds if window.rounds > 1 else None
             self._lists[ex] = (ex.program, capped(ex.schedule, ex.stage, per_round=per_round))
