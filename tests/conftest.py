@@ -53,3 +53,17 @@ def make_config(tmp_path: Path) -> Callable[..., RunConfig]:
         return RunConfig.from_dict(data, source="test.toml")
 
     return make
+
+
+def final_state(
+    run_dir: str | Path, job: int | None = None, *, layers: bool = False
+) -> dict[str, Any]:
+    """The tensors of a run's latest checkpoint: job ``job``'s (its ``jobs.J.`` prefix
+    taken off) or all; with ``layers``, only the layers' parameters."""
+    import adaptipe.runtime.checkpoint as ckpt
+
+    found = ckpt.latest(Path(run_dir) / "checkpoints")
+    assert found is not None, f"no checkpoint in {run_dir}"
+    prefix = "" if job is None else f"jobs.{job}."
+    keep = prefix + ("layers." if layers else "")
+    return {k[len(prefix) :]: v for k, v in ckpt.load(found)[0].items() if k.startswith(keep)}

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.inject.injectors import HogProcesses
 from adaptipe.models import get_model
 from adaptipe.monitor.device import nvml_module, sample_device
@@ -30,6 +29,7 @@ from adaptipe.runtime import resolve_plans, train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.reference import train_reference
 from adaptipe.runtime.rundir import RunDir
+from tests.conftest import final_state
 from tests.test_jobarray import _alone, _job_params
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -40,10 +40,7 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 def _checkpoint(run_dir: str) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    tensors, _ = ckpt.load(found)
-    return tensors
+    return final_state(run_dir)
 
 
 def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.monitor.runlog import load_run
 from adaptipe.monitor.schema import StageStats
 from adaptipe.runtime import train
@@ -22,6 +21,7 @@ from adaptipe.runtime.sweep import JobSpec
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.schedule.types import Recompute
 from tests._solo import alone_params
+from tests.conftest import final_state
 
 SWEEP: dict[str, Any] = {"grid": {"lr": [0.05, 0.2], "batch_size": [8, 16]}, "solver": "1f1b"}
 
@@ -33,11 +33,7 @@ def _alone(cfg: RunConfig, job: JobSpec) -> dict[str, torch.Tensor]:
 
 
 def _job_params(run_dir: str, job: int) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    tensors, _ = ckpt.load(found)
-    prefix = f"jobs.{job}."
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
+    return final_state(run_dir, job, layers=True)
 
 
 @pytest.mark.parametrize(

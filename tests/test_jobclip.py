@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.japsp import JapspInstance, solve
 from adaptipe.japsp.window import best_window, window_schedule
 from adaptipe.runtime import train
@@ -31,7 +30,7 @@ from adaptipe.schedule.types import (
     SendActivation,
     SendGradient,
 )
-from tests.conftest import TINY_MLP
+from tests.conftest import TINY_MLP, final_state
 from tests.test_japsp_solvers import instances
 
 CLIP = 0.05  # the tiny MLP's gradient norms are 0.1-0.3: every step clips
@@ -51,17 +50,9 @@ def _config(
     return RunConfig.from_dict(data, source=f"{name}.toml")
 
 
-def _final(run_dir: str, job: int | None = None) -> dict[str, Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    prefix = "" if job is None else f"jobs.{job}."
-    tensors = ckpt.load(found)[0]
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
-
-
 def _alone(tmp_path: Path, lr: float, clip: float) -> dict[str, Tensor]:
     cfg = _config(tmp_path, f"alone-{lr}-{clip}", optimizer={"lr": lr, "clip_grad_norm": clip})
-    return _final(train(cfg).run_dir)
+    return final_state(train(cfg).run_dir, layers=True)
 
 
 @pytest.mark.parametrize(
@@ -82,11 +73,14 @@ def test_each_clipped_job_of_an_array_ends_bitwise_as_alone(
     summary = train(cfg)
     for job in cfg.jobs:
         want = _alone(tmp_path, job.optimizer.lr, CLIP)
-        got = _final(summary.run_dir, job.index)
+        got = final_state(summary.run_dir, job.index, layers=True)
         assert want.keys() == got.keys() and want
         for name in want:
             assert torch.equal(got[name], want[name]), (job.name, name)
-    free, got = _alone(tmp_path, cfg.jobs[0].optimizer.lr, 0.0), _final(summary.run_dir, 0)
+    free, got = (
+        _alone(tmp_path, cfg.jobs[0].optimizer.lr, 0.0),
+        final_state(summary.run_dir, 0, layers=True),
+    )
     assert any(not torch.equal(free[name], got[name]) for name in free)  # it did clip
 
 
@@ -103,7 +97,7 @@ def test_a_job_that_does_not_clip_beside_one_that_does_and_a_migration(tmp_path:
     )
     summary = train(cfg)
     for job, (lr, clip) in zip(cfg.jobs, [(0.05, 0.0), (0.1, 0.02)], strict=True):
-        want, got = _alone(tmp_path, lr, clip), _final(summary.run_dir, job.index)
+        want, got = _alone(tmp_path, lr, clip), final_state(summary.run_dir, job.index, layers=True)
         for name in want:
             assert torch.equal(got[name], want[name]), (job.name, name)
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.errors import PlanError
 from adaptipe.inject.injectors import read_memory_loads
@@ -35,6 +34,7 @@ from adaptipe.runtime.memory import MemoryManager, minimum_budget
 from adaptipe.runtime.memory_guard import rss_bytes
 from adaptipe.runtime.memory_relief import MemoryRequest, relieved_bounds, write_request
 from adaptipe.runtime.planversion import current_version, read_active, record_adoption
+from tests.conftest import final_state
 from tests.test_jobarray import _job_params
 from tests.test_memory import CPU, ONE_F_ONE_B, _binder
 
@@ -212,9 +212,7 @@ def _stage_events(run_dir: Path, stage: int) -> list[dict[str, Any]]:
 
 
 def _params(run_dir: Path) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(run_dir / "checkpoints")
-    assert found is not None
-    return ckpt.load(found)[0]
+    return final_state(run_dir)
 
 
 @pytest.mark.slow

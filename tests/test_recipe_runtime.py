@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.recipe import STEP_KEY
-from tests.conftest import TINY_MLP
+from tests.conftest import TINY_MLP, final_state
 
 SCHEDULE = {"schedule": "cosine", "warmup": 2, "min_lr_ratio": 0.1}
 
@@ -30,18 +29,6 @@ def _config(tmp_path: Path, name: str, **over: dict[str, Any]) -> RunConfig:
         data[key] = {**data.get(key, {}), **value}
     data["train"]["run_dir"] = str(tmp_path / name)
     return RunConfig.from_dict(data, source=f"{name}.toml")
-
-
-def _final(run_dir: str, job: int | None = None) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    tensors, _ = ckpt.load(found)
-    prefix = "" if job is None else f"jobs.{job}."
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
-def _layers(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in tensors.items() if k.startswith("layers.")}
 
 
 def _plain_loop(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -68,13 +55,13 @@ def _plain_loop(cfg: RunConfig) -> dict[str, torch.Tensor]:
 
 def test_a_scheduled_run_trains_as_lambda_lr_and_counts_its_steps(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "sched")
-    got = _final(train(cfg).run_dir)
+    got = final_state(train(cfg).run_dir)
     want = _plain_loop(cfg)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)
     steps = {k: int(v) for k, v in got.items() if k.endswith("." + STEP_KEY)}
     assert steps and set(steps.values()) == {6}
-    constant = _final(
+    constant = final_state(
         train(_config(tmp_path, "const", optimizer={"schedule": "constant", "warmup": 0})).run_dir
     )
     first = next(iter(want))
@@ -82,12 +69,12 @@ def test_a_scheduled_run_trains_as_lambda_lr_and_counts_its_steps(tmp_path: Path
 
 
 def test_a_migrated_layer_keeps_its_schedule(tmp_path: Path) -> None:
-    still = _layers(_final(train(_config(tmp_path, "still")).run_dir))
+    still = final_state(train(_config(tmp_path, "still")).run_dir, layers=True)
     moved_cfg = _config(
         tmp_path, "moved", pipeline={"partition": [0, 3, 6]},
         adapt={"repartition": [{"iteration": 3, "bounds": [0, 4, 6]}]},
     )  # fmt: skip
-    moved = _layers(_final(train(moved_cfg).run_dir))
+    moved = final_state(train(moved_cfg).run_dir, layers=True)
     assert moved.keys() == still.keys()
     for name in still:
         assert torch.equal(moved[name], still[name]), name
@@ -103,8 +90,8 @@ def test_a_sweep_over_warmup_trains_each_job_as_alone(tmp_path: Path) -> None:
     for job in array.jobs:
         alone_cfg = _config(tmp_path, f"alone-{job.index}", data={"microbatches": 1},
                             optimizer={"warmup": job.optimizer.warmup})  # fmt: skip
-        alone = _layers(_final(train(alone_cfg).run_dir))
-        got = _layers(_final(summary.run_dir, job.index))
+        alone = final_state(train(alone_cfg).run_dir, layers=True)
+        got = final_state(summary.run_dir, job.index, layers=True)
         for name in alone:
             assert torch.equal(got[name], alone[name]), (job.name, name)
 
@@ -149,30 +136,23 @@ def _plain_clipped(cfg: RunConfig) -> dict[str, torch.Tensor]:
 
 def test_clipping_by_the_global_norm_matches_torch_and_ignores_the_cut(tmp_path: Path) -> None:
     first = _config(tmp_path, "cut3", optimizer=CLIP, pipeline={"partition": [0, 3, 6]})
-    got = _layers(_final(train(first).run_dir))
+    got = final_state(train(first).run_dir, layers=True)
     want = _plain_clipped(first)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=name)
-    unclipped = _layers(
-        _final(
-            train(
-                _config(
-                    tmp_path,
-                    "free",
-                    optimizer={**CLIP, "clip_grad_norm": 0.0},
-                    pipeline={"partition": [0, 3, 6]},
-                )
-            ).run_dir
-        )
-    )
+    free = _config(
+        tmp_path, "free", optimizer={**CLIP, "clip_grad_norm": 0.0},
+        pipeline={"partition": [0, 3, 6]},
+    )  # fmt: skip
+    unclipped = final_state(train(free).run_dir, layers=True)
     assert not torch.equal(unclipped[next(iter(want))], got[next(iter(want))])  # it did clip
     other = _config(tmp_path, "cut2", optimizer=CLIP, pipeline={"partition": [0, 2, 6]})
-    _bitwise_same(_layers(_final(train(other).run_dir)), got)
+    _bitwise_same(final_state(train(other).run_dir, layers=True), got)
     moved = _config(
         tmp_path, "moved", optimizer=CLIP, pipeline={"partition": [0, 3, 6]},
         adapt={"repartition": [{"iteration": 3, "bounds": [0, 2, 6]}]},
     )  # fmt: skip
-    _bitwise_same(_layers(_final(train(moved).run_dir)), got)
+    _bitwise_same(final_state(train(moved).run_dir, layers=True), got)
 
 
 def _bitwise_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -192,8 +172,8 @@ def test_a_schedule_and_clipping_together_ignore_the_cut_and_match_a_plain_loop(
     both = {**SCHEDULE, "clip_grad_norm": 0.05}
     first = _config(tmp_path, "a", optimizer=both, pipeline={"partition": [0, 3, 6]})
     second = _config(tmp_path, "b", optimizer=both, pipeline={"partition": [0, 1, 6]})
-    got = _layers(_final(train(first).run_dir))
-    _bitwise_same(_layers(_final(train(second).run_dir)), got)
+    got = final_state(train(first).run_dir, layers=True)
+    _bitwise_same(final_state(train(second).run_dir, layers=True), got)
     spec = first.model.spec()
     model = spec.build_all(seed=first.train.seed)
     opt = torch.optim.SGD(

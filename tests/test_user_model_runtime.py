@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-import adaptipe.runtime.checkpoint as ckpt
 from adaptipe.errors import PlanError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
+from tests.conftest import final_state
 
 FACTORY = Path(__file__).parent / "usermodel" / "user_model.py"
 BASE: dict[str, Any] = {
@@ -33,14 +33,6 @@ def _config(tmp_path: Path, name: str, **over: dict[str, Any]) -> RunConfig:
         data[key] = {**data.get(key, {}), **value}
     data["train"]["run_dir"] = str(tmp_path / name)
     return RunConfig.from_dict(data, source=f"{name}.toml")
-
-
-def _final(run_dir: str, job: int | None = None) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    tensors, _ = ckpt.load(found)
-    prefix = "" if job is None else f"jobs.{job}."
-    return {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix + "layers.")}
 
 
 def _plain_loop(cfg: RunConfig, lr: float) -> dict[str, torch.Tensor]:
@@ -81,15 +73,17 @@ def test_a_single_job_trains_as_a_plain_loop_and_as_alone(tmp_path: Path) -> Non
         cfg.model.factory == f"{FACTORY.resolve()}:build" and cfg.model.name == "user_model:build"
     )
     summary = train(cfg)
-    got = _final(summary.run_dir)
-    again = _final(train(_config(tmp_path, "again")).run_dir)
+    got = final_state(summary.run_dir, layers=True)
+    again = final_state(train(_config(tmp_path, "again")).run_dir, layers=True)
     _bitwise(got, again)
     _close(got, _plain_loop(cfg, lr=0.05))
 
 
 def test_loader_workers_read_the_same_batches(tmp_path: Path) -> None:
-    plain = _final(train(_config(tmp_path, "plain")).run_dir)
-    loaded = _final(train(_config(tmp_path, "loaded", data={"loader_workers": 2})).run_dir)
+    plain = final_state(train(_config(tmp_path, "plain")).run_dir, layers=True)
+    loaded = final_state(
+        train(_config(tmp_path, "loaded", data={"loader_workers": 2})).run_dir, layers=True
+    )
     _bitwise(loaded, plain)
 
 
@@ -103,8 +97,8 @@ def test_each_job_of_an_array_is_bitwise_its_own_run(tmp_path: Path) -> None:
         lr = job.optimizer.lr
         alone_cfg = _config(tmp_path, f"alone-{job.index}", data={"microbatches": 1},
                             optimizer={"lr": lr})  # fmt: skip
-        alone = _final(train(alone_cfg).run_dir)
-        _bitwise(_final(summary.run_dir, job.index), alone)
+        alone = final_state(train(alone_cfg).run_dir, layers=True)
+        _bitwise(final_state(summary.run_dir, job.index, layers=True), alone)
         _close(alone, _plain_loop(alone_cfg, lr=lr))
 
 
