@@ -57,6 +57,12 @@ def test_one_layer_leaves_the_warned_stage_for_its_lighter_neighbour(
     assert relieved_bounds(bounds, stage) == want
 
 
+def test_a_layer_never_goes_to_a_neighbour_that_is_warned_too() -> None:
+    assert relieved_bounds((0, 2, 5, 6), 1, warned={2}) == (0, 3, 5, 6)  # not the lighter
+    assert relieved_bounds((0, 2, 5, 6), 1, warned={0, 2}) is None
+    assert relieved_bounds((0, 3, 6), 1, warned={0}) is None
+
+
 def _warn(
     root: Path, seq: int, iteration: int, *, stage: int = 1, state: str = "near", epoch: str = ""
 ) -> None:
@@ -122,6 +128,18 @@ def test_a_restarted_worker_is_heard_and_a_resumed_manager_answers_no_old_warnin
     assert relief.poll() == [] and not relief.asking
     _warn(run.root, 1, 5, epoch="worker-b")  # a restarted worker counts from 1 again
     assert [e["seq"] for e in relief.poll()] == [1] and relief.asking
+
+
+def test_a_warned_stage_whose_neighbour_is_warned_too_keeps_its_layers(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    run, _ = prepare(make_config(train={"iterations": 100}))
+    loop = AdaptLoop(run, AdaptSection(dry_run=True), None, lambda: [])
+    _warn(run.root, 1, 2, stage=0)
+    _warn(run.root, 1, 2, stage=1)
+    decisions = [e for e in _poll(loop, 2) if e["event"] == "decision"]
+    assert decisions and decisions[0]["decision"]["bounds"] is None
+    assert "its neighbours are warned too (stages [1])" in decisions[0]["decision"]["reason"]
 
 
 def test_a_dry_run_logs_the_memory_move_without_committing_it(

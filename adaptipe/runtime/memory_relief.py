@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,21 +80,24 @@ def write_request(root: str | os.PathLike[str], request: MemoryRequest) -> None:
     atomic_write_text(path, json.dumps(asdict(request)) + "\n")
 
 
-def relieved_bounds(bounds: Sequence[int], stage: int) -> tuple[int, ...] | None:
+def relieved_bounds(
+    bounds: Sequence[int], stage: int, *, warned: Collection[int] = ()
+) -> tuple[int, ...] | None:
     """``bounds`` with one layer moved off ``stage`` to the neighbour holding fewer
-    layers (the previous one on a tie); None when the stage holds a single layer."""
+    layers (the previous one on a tie), never to a ``warned`` one (near its own limit);
+    None when the stage holds a single layer or no neighbour can take one."""
     b = list(bounds)
     if not 0 <= stage < len(b) - 1 or b[stage + 1] - b[stage] <= 1:
         return None
     sizes = [b[i + 1] - b[i] for i in range(len(b) - 1)]
-    before = sizes[stage - 1] if stage > 0 else None
-    after = sizes[stage + 1] if stage + 1 < len(sizes) else None
+    before = sizes[stage - 1] if stage > 0 and stage - 1 not in warned else None
+    after = sizes[stage + 1] if stage + 1 < len(sizes) and stage + 1 not in warned else None
     if before is not None and (after is None or before <= after):
         b[stage] += 1  # its first layer goes to the previous stage
     elif after is not None:
         b[stage + 1] -= 1  # its last layer goes to the next stage
     else:
-        return None  # a single stage has no neighbour
+        return None  # no neighbour, or every neighbour is warned too
     return tuple(b)
 
 
@@ -156,8 +159,11 @@ class MemoryRelief:
         self._answered[req.stage] = (req.epoch, req.seq)
         bounds = tuple(partition.bounds)
         stage = req.stage
-        moved = relieved_bounds(bounds, stage) if req.chunks == 1 else None
+        warned = {s for s, r in self._latest.items() if s != stage and r.state != "ok"}
+        moved = relieved_bounds(bounds, stage, warned=warned) if req.chunks == 1 else None
         why = "one layer off it" if moved else "it cannot give a layer"
+        if moved is None and warned and relieved_bounds(bounds, stage) is not None:
+            why = f"not moved: its neighbours are warned too (stages {sorted(warned)})"
         if req.chunks > 1:
             why = "not moved: a worker holds several virtual stages ([pipeline].virtual > 1)"
         reason = f"{req.describe()}: {why}"
