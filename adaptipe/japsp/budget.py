@@ -15,7 +15,13 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["WORK_PER_SECOND", "SearchBudget"]
+__all__ = [
+    "DEFAULT_CLOCK_SLACK",
+    "WORK_PER_JOB_STAGE",
+    "WORK_PER_SECOND",
+    "SearchBudget",
+    "default_work",
+]
 
 WORK_PER_SECOND = 1_000_000
 """Work units one second of time limit buys. On the 2-core development machine the GA
@@ -23,6 +29,31 @@ does 1.3-2.5 million units a second (6x4 to 64x8 instances of ``bench/bench_japs
 another process beside it at times), so it spends its work in 40-80% of the time
 limit: a machine a little slower, or busier, still ends on the work and gives the same
 schedule; a much slower one ends on the clock and says so."""
+
+WORK_PER_JOB_STAGE = 12_500
+"""The GA's default work per job x stage (`default_work`). One decoding visits the
+``2JS`` blocks about twice, so work in proportion to ``J x S`` buys about the same
+number of decodings, and so of generations, on every instance size; 12,500 is where
+the GA stops improving on paper-style 30 x 10 and 30 x 16 arrays
+(``bench/bench_japsp.py``, docs/benchmarks.md)."""
+
+DEFAULT_CLOCK_SLACK = 3.0
+"""Without a time limit, the GA's clock backstop is this many times the seconds its
+`default_work` stands for (at `WORK_PER_SECOND`): 11.25 s for 30 x 10, which spends its
+3.75 million units in 1-1.5 s on the development machine when it is quiet, so a
+machine several times slower or busier still ends on the work, with the same schedule."""
+
+_DEFAULT_WORK_MIN = WORK_PER_SECOND
+_DEFAULT_WORK_MAX = 10 * WORK_PER_SECOND
+
+
+def default_work(jobs: int, stages: int) -> int:
+    """The GA's work when neither a time limit nor a work budget is given:
+    `WORK_PER_JOB_STAGE` per job x stage, at least one million (a second's worth, the
+    old default, which small arrays need no more than) and at most ten million (so a
+    very large array still solves in seconds: 2.5-3 s on the 2-core development machine).
+    """
+    return min(_DEFAULT_WORK_MAX, max(_DEFAULT_WORK_MIN, WORK_PER_JOB_STAGE * jobs * stages))
 
 
 @dataclass(slots=True)
