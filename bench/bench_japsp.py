@@ -173,7 +173,9 @@ def _ga_runs(inst: JapspInstance, runs: int) -> dict[str, Any]:
         "ga_s": statistics.median(r.seconds for r in results),
         "ga_cpu_s": statistics.median(cpu),
         # "clock" when any run was cut short: then the runs may differ
-        "ga_stopped_by": "clock" if any(r.stopped_by == "clock" for r in results) else ga.stopped_by,
+        "ga_stopped_by": "clock"
+        if any(r.stopped_by == "clock" for r in results)
+        else ga.stopped_by,
         "ga_same": all(r.orders == ga.orders and r.makespan == ga.makespan for r in results),
     }
 

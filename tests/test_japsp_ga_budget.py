@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -20,10 +21,9 @@ def test_default_work_grows_with_jobs_times_stages_between_one_and_ten_million()
     # small arrays keep the old default (one second's worth), huge ones a few seconds
     assert default_work(6, 4) == default_work(1, 1) == WORK_PER_SECOND
     assert default_work(64, 16) == default_work(200, 64) == 10 * WORK_PER_SECOND
-    sizes = [(j, s) for j in (4, 8, 16, 30, 64) for s in (2, 4, 8, 16)]
-    for (j1, s1), (j2, s2) in zip(sizes, sizes[1:]):
-        if j1 * s1 <= j2 * s2:
-            assert default_work(j1, s1) <= default_work(j2, s2)
+    sizes = sorted(((j, s) for j in (4, 8, 16, 30, 64) for s in (2, 4, 8, 16)), key=math.prod)
+    works = [default_work(j, s) for j, s in sizes]
+    assert works == sorted(works)  # never less work for more job-stages
 
 
 def _frozen_clock(monkeypatch: pytest.MonkeyPatch) -> None:
