@@ -14,8 +14,8 @@ from adaptipe.japsp.genetic import solve_ga
 
 
 def test_default_work_grows_with_jobs_times_stages_between_one_and_ten_million() -> None:
-    assert default_work(30, 10) == 3_750_000 == WORK_PER_JOB_STAGE * 300
-    assert default_work(30, 16) == 6_000_000
+    assert default_work(30, 10) == 3_000_000 == WORK_PER_JOB_STAGE * 300
+    assert default_work(30, 16) == 4_800_000
     assert default_work(16, 30) == default_work(30, 16)  # only the product counts
     assert default_work(60, 10) == 2 * default_work(30, 10)
     # small arrays keep the old default (one second's worth), huge ones a few seconds
@@ -43,12 +43,12 @@ def test_ga_without_a_time_limit_asks_default_work_for_its_jobs_and_stages(
 
     monkeypatch.setattr(genetic, "default_work", small)
     _frozen_clock(monkeypatch)
-    inst = generate(11, 8, seed=1, profiles=3, jitter=0.02)  # 88 job-stages: 1.1 million
+    inst = generate(14, 8, seed=1, profiles=3, jitter=0.02)  # 112 job-stages: 1.12 million
     result = solve(inst, solver="ga", seed=2)  # `solve` passes no limit: the GA's default
-    assert asked == [(11, 8)]
+    assert asked == [(14, 8)]
     assert result.stopped_by == "work"
     # it spends what it was given, one search step past it at most (a polish, a seed)
-    assert 55_000 <= result.nodes < 110_000
+    assert 56_000 <= result.nodes < 112_000
 
 
 def test_default_ga_gives_one_schedule_per_seed_whatever_the_clock_does(
@@ -71,7 +71,7 @@ def test_default_ga_gives_one_schedule_per_seed_whatever_the_clock_does(
 def test_an_explicit_time_limit_still_buys_a_million_units_a_second(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    inst = generate(30, 10, seed=1, profiles=3, jitter=0.0)  # default: 3.75 million
+    inst = generate(30, 10, seed=1, profiles=3, jitter=0.0)  # default: 3 million
     _frozen_clock(monkeypatch)
     result = solve(inst, solver="ga", time_limit_s=0.5)
     assert result.stopped_by == "work"

@@ -38,7 +38,7 @@ def add_parser(
         type=float,
         default=None,
         metavar="S",
-        help="seconds (default: bb/cpsat 10; ga none: it runs on 12,500 work units per "
+        help="seconds (default: bb/cpsat 10; ga none: it runs on 10,000 work units per "
         "job x stage, 1 to 10 million, and given S on one million a second)",
     )
     p.add_argument("--seed", type=int, default=0)

@@ -30,18 +30,19 @@ another process beside it at times), so it spends its work in 40-80% of the time
 limit: a machine a little slower, or busier, still ends on the work and gives the same
 schedule; a much slower one ends on the clock and says so."""
 
-WORK_PER_JOB_STAGE = 12_500
-"""The GA's default work per job x stage (`default_work`). One decoding visits the
-``2JS`` blocks about twice, so work in proportion to ``J x S`` buys about the same
-number of decodings, and so of generations, on every instance size; 12,500 is where
-the GA stops improving on paper-style 30 x 10 and 30 x 16 arrays
-(``bench/bench_japsp.py``, docs/benchmarks.md)."""
+WORK_PER_JOB_STAGE = 10_000
+"""The GA's default work per job x stage (`default_work`). Each step of its search (a
+decoding, a tabu move, a job move) visits a number of blocks that grows with the
+``2JS`` blocks, so work in proportion to ``J x S`` buys about the same search on every
+instance size. At 10,000, paper-style 30 x 10 and 30 x 16 arrays end within 0.25% of
+what ten million units give on 15 of 16 instances (0.64% on the last) and within 1% of
+CP-SAT after 30 s (docs/benchmarks.md, "The GA's default work")."""
 
 DEFAULT_CLOCK_SLACK = 3.0
 """Without a time limit, the GA's clock backstop is this many times the seconds its
-`default_work` stands for (at `WORK_PER_SECOND`): 11.25 s for 30 x 10, which spends its
-3.75 million units in 1-1.5 s on the development machine when it is quiet, so a
-machine several times slower or busier still ends on the work, with the same schedule."""
+`default_work` stands for (at `WORK_PER_SECOND`): 9 s for 30 x 10, which spends its
+3 million units in about 1 s of CPU on the development machine, so a machine several
+times slower or busier still ends on the work, with the same schedule."""
 
 _DEFAULT_WORK_MIN = WORK_PER_SECOND
 _DEFAULT_WORK_MAX = 10 * WORK_PER_SECOND

@@ -225,9 +225,9 @@ def solve_ga(
 ) -> Result:
     """Run the GA (population 30 unless ``population``) on ``work`` units of counted work
     (`adaptipe.japsp.budget`), by default ``time_limit_s`` worth (one million a second)
-    or, without a time limit, `default_work`: 12,500 per job x stage, between one and
-    ten million (3.75 million for 30 jobs x 10 stages, 6 million for 30 x 16), with a
-    clock backstop three times what that work stands for (11.25 s and 18 s;
+    or, without a time limit, `default_work`: 10,000 per job x stage, between one and
+    ten million (3 million for 30 jobs x 10 stages, 4.8 million for 30 x 16), with a
+    clock backstop three times what that work stands for (9 s and 14.4 s;
     `DEFAULT_CLOCK_SLACK`).
 
     Ends when the work is spent (`adaptipe.japsp.budget`: the same seed gives the same

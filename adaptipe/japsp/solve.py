@@ -87,7 +87,7 @@ def solve(
     """Solve ``inst`` with ``solver`` (one of `SOLVERS`).
 
     ``time_limit_s`` defaults to 10 s for ``bb`` and ``cpsat``; without it ``ga`` runs on
-    work that grows with jobs x stages (`adaptipe.japsp.budget.default_work`: 12,500
+    work that grows with jobs x stages (`adaptipe.japsp.budget.default_work`: 10,000
     units per job x stage, 1 to 10 million, about 1-3 s here), with it on one million
     units a second. The baselines ignore it and report the best lower bound next to
     their makespan.
