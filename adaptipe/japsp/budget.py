@@ -35,7 +35,7 @@ WORK_PER_JOB_STAGE = 10_000
 decoding, a tabu move, a job move) visits a number of blocks that grows with the
 ``2JS`` blocks, so work in proportion to ``J x S`` buys about the same search on every
 instance size. At 10,000, paper-style 30 x 10 and 30 x 16 arrays end within 0.25% of
-what ten million units give on 15 of 16 instances (0.64% on the last) and within 1% of
+what ten million units give on 14 of 16 instances (0.64% at most) and within 1% of
 CP-SAT after 30 s (docs/benchmarks.md, "The GA's default work")."""
 
 DEFAULT_CLOCK_SLACK = 3.0
