@@ -226,9 +226,9 @@ def solve_ga(
     """Run the GA (population 30 unless ``population``) on ``work`` units of counted work
     (`adaptipe.japsp.budget`), by default ``time_limit_s`` worth (one million a second)
     or, without a time limit, `default_work`: 10,000 per job x stage, between one and
-    ten million (3 million for 30 jobs x 10 stages, 4.8 million for 30 x 16), with a
-    clock backstop three times what that work stands for (9 s and 14.4 s;
-    `DEFAULT_CLOCK_SLACK`).
+    ten million (3 million for 30 jobs x 10 stages, 4.8 million for 30 x 16). Without a
+    time limit, the clock backstop is three times what the work stands for (9 s and
+    14.4 s there; `DEFAULT_CLOCK_SLACK`).
 
     Ends when the work is spent (`adaptipe.japsp.budget`: the same seed gives the same
     schedule on any machine fast enough), after ``generations`` generations, at the lower bound, or,
