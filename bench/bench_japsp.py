@@ -5,10 +5,12 @@ instances, how many branch-and-bound proves optimal within ``--bb-time`` seconds
 many in under 1 s (wall clock), its seconds (all runs, and the proved ones), its CPU
 seconds, nodes and the gap left where it stopped.
 
-``table``: per size of ``--sizes``, the GA's makespan against the optimum (when B&B or
-CP-SAT proved one), the lower bound and CP-SAT's best after ``--cpsat-time`` seconds (on
-the first ``--cpsat-instances`` instances, when OR-Tools is installed), its seconds, and
-the baselines' makespans relative to the GA's.
+``table``: per size of ``--sizes``, the GA on its default work (`default_work`: it grows
+with jobs x stages) against the optimum (when B&B or CP-SAT proved one), the lower bound
+and CP-SAT's best after ``--cpsat-time`` seconds (on the first ``--cpsat-instances``
+instances, when OR-Tools is installed), its wall and CPU seconds (``--ga-runs`` runs per
+instance: their median, and whether every run gave the same schedule), and the
+baselines' makespans relative to the GA's.
 
 Instances are generated the paper's way (§V-A): each job's batch size is one of a few
 (``--profiles``) values, and jobs of one batch size share one per-stage profile, so they
@@ -18,7 +20,7 @@ them as interchangeable; the JSON records the jitter and says which of the two i
 
     python bench/bench_japsp.py [--instances 10] [--cpsat-time 30] [--cpsat-instances 2]
                                 [--bb-time 5] [--bb-sizes 4x4,6x4] [--costs] [--sizes 6x4,30x10]
-                                [--jitter 0.0] [--profiles 3] [--seed0 0]
+                                [--jitter 0.0] [--profiles 3] [--seed0 0] [--ga-runs 1]
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from typing import Any
 
 from adaptipe.japsp import JapspInstance, Result, generate, lower_bound, solve
 from adaptipe.japsp.bnb import solve_bnb
+from adaptipe.japsp.budget import default_work
 from adaptipe.japsp.cpsat import available as cpsat_available
 from adaptipe.japsp.genetic import solve_ga
 
 SIZES = ["4x4", "6x4", "15x4", "20x4", "30x4", "40x4", "30x10", "30x16", "64x8"]
 BB_SIZES = ["4x4", "5x4", "6x4", "8x4", "6x6"]
 SMALL = {"4x4", "5x4", "6x4"}  # the GA's gap is measured against B&B's optimum here
-GA_TIME = {"30x10": 3.0, "30x16": 3.0, "64x8": 3.0}  # 1 s for the others
 
 
 def _stats(values: list[float], digits: int = 4) -> dict[str, float] | None:
@@ -46,6 +48,7 @@ def _stats(values: list[float], digits: int = 4) -> dict[str, float] | None:
         return None
     return {
         "mean": round(statistics.fmean(values), digits),
+        "median": round(statistics.median(values), digits),
         "max": round(max(values), digits),
         "min": round(min(values), digits),
     }
@@ -100,14 +103,12 @@ def _bb_size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict
 
 
 def _size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict[str, Any]:
-    ga_time = GA_TIME.get(name, 1.0)
     rows: list[dict[str, Any]] = []
     for seed in _seeds(args):
         inst = _instance(name, seed, args)
         row: dict[str, Any] = {"seed": seed, "lower_bound": lower_bound(inst)}
-        ga = solve_ga(inst, seed=0, time_limit_s=ga_time)
-        row["ga"], row["ga_s"], row["ga_stopped_by"] = ga.makespan, ga.seconds, ga.stopped_by
-        best = ga.makespan
+        row.update(_ga_runs(inst, args.ga_runs))
+        best = row["ga"]
         if name in SMALL:
             bb = _bnb(name, seed, args, cache)
             row.update(bb=bb.makespan, bb_optimal=bb.optimal)
@@ -131,8 +132,12 @@ def _size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict[st
     out: dict[str, Any] = {
         "size": name,
         "instances": len(rows),
-        "ga_time_limit_s": ga_time,
+        "ga_work": default_work(*(int(v) for v in name.split("x"))),
+        "ga_runs": args.ga_runs,
+        "ga_same_schedule": all(r["ga_same"] for r in rows),
+        # per instance the median of its runs; then over instances
         "ga_seconds": _stats([r["ga_s"] for r in rows], 3),
+        "ga_cpu_seconds": _stats([r["ga_cpu_s"] for r in rows], 3),
         # "clock": the time limit cut the GA short, so its schedule may differ on a rerun
         "ga_stopped_by": dict(collections.Counter(r["ga_stopped_by"] for r in rows)),
         "ga_gap_to_optimum": _stats(ratios("ga", "optimum")),
@@ -152,6 +157,27 @@ def _size(name: str, args: argparse.Namespace, cache: dict[Any, Any]) -> dict[st
             "gap_to_lower_bound": _stats(ratios("cpsat", "lower_bound")),
         }
     return out
+
+
+def _ga_runs(inst: JapspInstance, runs: int) -> dict[str, Any]:
+    """The GA on its default work ``runs`` times with seed 0: its makespan, the median
+    wall and CPU seconds, and whether every run gave the same orders."""
+    results, cpu = [], []
+    for _ in range(runs):
+        c0 = time.process_time()
+        results.append(solve_ga(inst, seed=0))
+        cpu.append(time.process_time() - c0)
+    ga = results[0]
+    return {
+        "ga": ga.makespan,
+        "ga_s": statistics.median(r.seconds for r in results),
+        "ga_cpu_s": statistics.median(cpu),
+        # "clock" when any run was cut short: then the runs may differ
+        "ga_stopped_by": "clock"
+        if any(r.stopped_by == "clock" for r in results)
+        else ga.stopped_by,
+        "ga_same": all(r.orders == ga.orders and r.makespan == ga.makespan for r in results),
+    }
 
 
 def _identical(args: argparse.Namespace) -> str:
@@ -180,6 +206,9 @@ def main() -> None:
     )
     parser.add_argument("--profiles", type=int, default=3, help="batch sizes per array")
     parser.add_argument("--seed0", type=int, default=0, help="first instance seed")
+    parser.add_argument(
+        "--ga-runs", type=int, default=1, help="GA runs per instance (same seed: same schedule?)"
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     cache: dict[Any, Any] = {}

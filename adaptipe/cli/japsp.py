@@ -34,7 +34,12 @@ def add_parser(
     )
     p.add_argument("--solver", choices=SOLVERS, default="auto")
     p.add_argument(
-        "--time-limit", type=float, default=None, metavar="S", help="seconds (bb/cpsat 10, ga 1)"
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds (default: bb/cpsat 10; ga none: it runs on 10,000 work units per "
+        "job x stage, 1 to 10 million, and given S on one million a second)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

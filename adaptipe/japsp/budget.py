@@ -15,7 +15,13 @@ import math
 import time
 from dataclasses import dataclass
 
-__all__ = ["WORK_PER_SECOND", "SearchBudget"]
+__all__ = [
+    "DEFAULT_CLOCK_SLACK",
+    "WORK_PER_JOB_STAGE",
+    "WORK_PER_SECOND",
+    "SearchBudget",
+    "default_work",
+]
 
 WORK_PER_SECOND = 1_000_000
 """Work units one second of time limit buys. On the 2-core development machine the GA
@@ -23,6 +29,32 @@ does 1.3-2.5 million units a second (6x4 to 64x8 instances of ``bench/bench_japs
 another process beside it at times), so it spends its work in 40-80% of the time
 limit: a machine a little slower, or busier, still ends on the work and gives the same
 schedule; a much slower one ends on the clock and says so."""
+
+WORK_PER_JOB_STAGE = 10_000
+"""The GA's default work per job x stage (`default_work`). Each step of its search (a
+decoding, a tabu move, a job move) visits a number of blocks that grows with the
+``2JS`` blocks, so work in proportion to ``J x S`` buys about the same search on every
+instance size. At 10,000, paper-style 30 x 10 and 30 x 16 arrays end within 0.25% of
+what ten million units give on 14 of 16 instances (0.64% at most) and within 1% of
+CP-SAT after 30 s (docs/benchmarks.md, "The GA's default work")."""
+
+DEFAULT_CLOCK_SLACK = 3.0
+"""Without a time limit, the GA's clock backstop is this many times the seconds its
+`default_work` stands for (at `WORK_PER_SECOND`): 9 s for 30 x 10, which spends its
+3 million units in about 1 s of CPU on the development machine, so a machine several
+times slower or busier still ends on the work, with the same schedule."""
+
+_DEFAULT_WORK_MIN = WORK_PER_SECOND
+_DEFAULT_WORK_MAX = 10 * WORK_PER_SECOND
+
+
+def default_work(jobs: int, stages: int) -> int:
+    """The GA's work when neither a time limit nor a work budget is given:
+    `WORK_PER_JOB_STAGE` per job x stage, at least one million (a second's worth, the
+    old default, which small arrays need no more than) and at most ten million (so a
+    very large array still solves in seconds: 2.5-3 s on the 2-core development machine).
+    """
+    return min(_DEFAULT_WORK_MAX, max(_DEFAULT_WORK_MIN, WORK_PER_JOB_STAGE * jobs * stages))
 
 
 @dataclass(slots=True)

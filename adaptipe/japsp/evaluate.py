@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Literal
 
 from adaptipe.errors import PlanError, ScheduleError
@@ -134,43 +135,48 @@ def parse_block(raw: object) -> Block:
 
 def semi_active(tab: OpTable, seqs: Sequence[Sequence[int]]) -> tuple[list[float], float] | None:
     """Starts of the semi-active schedule of machine sequences ``seqs``; None on a cycle."""
+    # The GA and the tabu search spend about half their time here: local names, and the
+    # job list instead of divisions (the same pass and order, so the same floats).
     n, k2 = tab.n, 2 * tab.stages
-    dur, lag, sw = tab.dur, tab.lag, tab.sw
+    dur, lag, sw, job = tab.dur, tab.lag, tab.sw, tab.job
     succ_m = [-1] * n
-    cnt = [0 if o % k2 == 0 else 1 for o in range(n)]
+    cnt = [1] * n
+    for o in range(0, n, k2):  # a chain's first block waits for no chain predecessor
+        cnt[o] = 0
     for seq in seqs:
-        for i in range(1, len(seq)):
-            succ_m[seq[i - 1]] = seq[i]
-            cnt[seq[i]] += 1
+        for prev, o in pairwise(seq):
+            succ_m[prev] = o
+            cnt[o] += 1
     ready = [0.0] * n
     start = [0.0] * n
-    stack = [o for o in range(n) if cnt[o] == 0]
+    stack = [o for o in range(0, n, k2) if cnt[o] == 0]
+    pop, push = stack.pop, stack.append
     done = 0
     makespan = 0.0
     while stack:
-        o = stack.pop()
+        o = pop()
         done += 1
         s = ready[o]
         start[o] = s
         e = s + dur[o]
         if e > makespan:
             makespan = e
-        if (o + 1) % k2:
-            c = o + 1
+        c = o + 1
+        if c % k2:
             v = s + lag[o]
             if v > ready[c]:
                 ready[c] = v
             cnt[c] -= 1
             if not cnt[c]:
-                stack.append(c)
+                push(c)
         m = succ_m[o]
         if m >= 0:
-            v = e + sw[o] if m // k2 != o // k2 else e
+            v = e + sw[o] if job[m] != job[o] else e
             if v > ready[m]:
                 ready[m] = v
             cnt[m] -= 1
             if not cnt[m]:
-                stack.append(m)
+                push(m)
     return (start, makespan) if done == n else None
 
 
@@ -317,48 +323,55 @@ def longest_paths(
     path to the start of ``o``, ``tail[o]`` the longest from its start to the end (so
     ``max(head + tail)`` is the makespan of the selection); None if the arcs form a cycle.
     """
+    # Hot in the tabu search: local names and the job list, as in `semi_active`.
     n, k2 = tab.n, 2 * tab.stages
-    dur, lag, sw = tab.dur, tab.lag, tab.sw
+    dur, lag, sw, job = tab.dur, tab.lag, tab.sw, tab.job
     succ_m = [-1] * n
-    cnt = [0 if o % k2 == 0 else 1 for o in range(n)]
+    cnt = [1] * n
+    for o in range(0, n, k2):
+        cnt[o] = 0
     for seq in seqs:
-        for i in range(1, len(seq)):
-            succ_m[seq[i - 1]] = seq[i]
-            cnt[seq[i]] += 1
+        for prev, o in pairwise(seq):
+            succ_m[prev] = o
+            cnt[o] += 1
     order: list[int] = []
-    stack = [o for o in range(n) if cnt[o] == 0]
+    stack = [o for o in range(0, n, k2) if cnt[o] == 0]
+    pop, push, visit = stack.pop, stack.append, order.append
     while stack:
-        o = stack.pop()
-        order.append(o)
-        if (o + 1) % k2:
-            cnt[o + 1] -= 1
-            if not cnt[o + 1]:
-                stack.append(o + 1)
+        o = pop()
+        visit(o)
+        c = o + 1
+        if c % k2:
+            cnt[c] -= 1
+            if not cnt[c]:
+                push(c)
         m = succ_m[o]
         if m >= 0:
             cnt[m] -= 1
             if not cnt[m]:
-                stack.append(m)
+                push(m)
     if len(order) < n:
         return None
     head = [0.0] * n
     for o in order:
         h = head[o]
-        if (o + 1) % k2 and h + lag[o] > head[o + 1]:
-            head[o + 1] = h + lag[o]
+        c = o + 1
+        if c % k2 and h + lag[o] > head[c]:
+            head[c] = h + lag[o]
         m = succ_m[o]
         if m >= 0:
-            v = h + dur[o] + (sw[o] if m // k2 != o // k2 else 0.0)
+            v = h + dur[o] + (sw[o] if job[m] != job[o] else 0.0)
             if v > head[m]:
                 head[m] = v
     tail = [0.0] * n
     for o in reversed(order):
         v = dur[o]
-        if (o + 1) % k2 and lag[o] + tail[o + 1] > v:
-            v = lag[o] + tail[o + 1]
+        c = o + 1
+        if c % k2 and lag[o] + tail[c] > v:
+            v = lag[o] + tail[c]
         m = succ_m[o]
         if m >= 0:
-            w = dur[o] + (sw[o] if m // k2 != o // k2 else 0.0) + tail[m]
+            w = dur[o] + (sw[o] if job[m] != job[o] else 0.0) + tail[m]
             if w > v:
                 v = w
         tail[o] = v

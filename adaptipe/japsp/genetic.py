@@ -33,7 +33,12 @@ from collections.abc import Sequence
 
 from adaptipe.japsp.baselines import BASELINES, shifting_bottleneck
 from adaptipe.japsp.bounds import lower_bound
-from adaptipe.japsp.budget import SearchBudget
+from adaptipe.japsp.budget import (
+    DEFAULT_CLOCK_SLACK,
+    WORK_PER_SECOND,
+    SearchBudget,
+    default_work,
+)
 from adaptipe.japsp.evaluate import OpTable, Orders, decode, semi_active, to_seqs
 from adaptipe.japsp.instance import JapspInstance
 from adaptipe.japsp.local_search import job_moves, kick, tabu_search
@@ -211,15 +216,19 @@ def solve_ga(
     inst: JapspInstance,
     *,
     seed: int = 0,
-    time_limit_s: float = 1.0,
+    time_limit_s: float | None = None,
     population: int | None = None,
     generations: int | None = None,
     initial: Orders | None = None,
     local_search: bool = True,
     work: int | None = None,
 ) -> Result:
-    """Run the GA on ``time_limit_s`` worth of work (population 30 unless ``population``),
-    or on ``work`` units (`adaptipe.japsp.budget`) when given.
+    """Run the GA (population 30 unless ``population``) on ``work`` units of counted work
+    (`adaptipe.japsp.budget`), by default ``time_limit_s`` worth (one million a second)
+    or, without a time limit, `default_work`: 10,000 per job x stage, between one and
+    ten million (3 million for 30 jobs x 10 stages, 4.8 million for 30 x 16). Without a
+    time limit, the clock backstop is three times what the work stands for (9 s and
+    14.4 s there; `DEFAULT_CLOCK_SLACK`).
 
     Ends when the work is spent (`adaptipe.japsp.budget`: the same seed gives the same
     schedule on any machine fast enough), after ``generations`` generations, at the lower bound, or,
@@ -233,6 +242,9 @@ def solve_ga(
     """
     t0 = time.perf_counter()
     tab = OpTable.of(inst)
+    if time_limit_s is None:
+        work = default_work(inst.num_jobs, inst.num_stages) if work is None else work
+        time_limit_s = DEFAULT_CLOCK_SLACK * work / WORK_PER_SECOND
     # the clock's deadline leaves room for the final decoding (about 2 ms per 1000 blocks)
     budget = SearchBudget.for_limit(
         time_limit_s, start=t0, reserve_s=0.05 * time_limit_s + 3e-6 * tab.n, work=work

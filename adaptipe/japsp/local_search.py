@@ -185,17 +185,19 @@ def tabu_search(
 
 def _moved(tab: OpTable, seqs: Seqs, a: int, b: int, after: bool) -> Seqs:
     """Job ``a`` placed, on every stage, just before (or ``after``) job ``b``'s blocks."""
-    k2 = 2 * tab.stages
+    shift, job = (b - a) * 2 * tab.stages, tab.job
     trial = []
     for seq in seqs:
-        out = []
+        out: list[int] = []
+        add = out.append
         for o in seq:
-            if o // k2 == b and not after:
-                out.append(o - (b - a) * k2)
-            if o // k2 != a:
-                out.append(o)
-            if o // k2 == b and after:
-                out.append(o - (b - a) * k2)
+            j = job[o]
+            if j == b and not after:
+                add(o - shift)
+            if j != a:
+                add(o)
+            if j == b and after:
+                add(o - shift)
         trial.append(out)
     return trial
 
