@@ -354,6 +354,22 @@ def test_unsupported_replications_are_refused(
         make_config(**sections)
 
 
+def test_a_replicated_run_refuses_layer_moves_asked_while_it_trains(
+    make_config: Callable[..., RunConfig],
+) -> None:
+    from adaptipe.runtime.adapt_requests import request_adapt
+    from adaptipe.runtime.launch import prepare
+    from adaptipe.runtime.repartition import repartition
+
+    run, _ = prepare(make_config(pipeline={"replicas": [1, 2]}))
+    assert run.read_partition().replicas == (1, 2)
+    with pytest.raises(PlanError, match=r"partition.json: replicas \[1, 2\] .*layers do not move"):
+        repartition(run.root, [0, 2, 6])
+    with pytest.raises(PlanError, match=r"replicas \[1, 2\] .*allowed here: --controller none"):
+        request_adapt(run.root, controller="threshold")
+    request_adapt(run.root, paused=True)  # pausing is fine
+
+
 def test_unreplicated_lists_run_as_before(make_config: Callable[..., RunConfig]) -> None:
     cfg = make_config(pipeline={"replicas": [1, 1]})
     assert cfg.pipeline.processes == 2
