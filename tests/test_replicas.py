@@ -368,12 +368,57 @@ def test_a_replicated_run_refuses_layer_moves_asked_while_it_trains(
     with pytest.raises(PlanError, match=r"replicas \[1, 2\] .*allowed here: --controller none"):
         request_adapt(run.root, controller="threshold")
     request_adapt(run.root, paused=True)  # pausing is fine
+    # A worker that dies is named by its stage and replica.
+    from adaptipe.runtime.supervisor import failure
+
+    assert str(failure(run, 2, 1)).startswith("stage 1 replica 1 (rank 2) failed: exited")
+    assert str(failure(run, 1, 1)).startswith("stage 1 failed")
 
 
 def test_unreplicated_lists_run_as_before(make_config: Callable[..., RunConfig]) -> None:
     cfg = make_config(pipeline={"replicas": [1, 1]})
     assert cfg.pipeline.processes == 2
     assert resolve_plans(cfg).partition.replicas == (1, 1)
+
+
+def test_adaptipe_plan_says_how_to_train_its_replicated_stages(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptipe.cli import main
+    from adaptipe.profile.types import LayerProfile, Profile
+
+    layers = tuple(
+        LayerProfile(
+            name=f"l{i}",
+            kind="Linear",
+            forward_s=0.001 * (4 if i >= 3 else 1),
+            backward_s=0.002 * (4 if i >= 3 else 1),
+            activation_bytes=100,
+            gradient_bytes=100,
+            saved_bytes=0,
+            param_bytes=1000,
+            optimizer_bytes=2000,
+            num_params=250,
+        )
+        for i in range(6)
+    )
+    profile = tmp_path / "profile.json"
+    profile.write_text(
+        json.dumps(Profile(model="m", microbatch=4, device="cpu", layers=layers).to_json())
+    )
+    out = tmp_path / "plan.json"
+    args = ["plan", "--profile", str(profile), "--planner", "pipedream"]
+    assert main([*args, "--levels", "4:100GB/s", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    replicas = Partition.from_json(json.loads(out.read_text())).replicas
+    assert max(replicas) > 1
+    assert f"run as {sum(replicas)} processes" in printed and '"1f1b"' in printed
+    wide = ["--planner", "2bw", "--devices", "4", "--batch-size", "64", "--memory-limit", "1GiB"]
+    assert main(["plan", "--profile", str(profile), *wide]) == 0
+    printed = capsys.readouterr().out
+    assert "does not run yet" not in printed
+    if "x width 1," not in printed:
+        assert "replicas = [" in printed and 'schedule = "1f1b"' in printed
 
 
 # ---------------------------------------------------------------- the simulator

@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}")
     if max(partition.replicas) > 1:
         print(f"its replicated stages run as {sum(partition.replicas)} processes with "
-              f"[pipeline] partition = \"{args.out or 'PLAN.json'}\" and schedule = \"gpipe\" "
+              f"[pipeline] stages = {partition.num_stages}, "
+              f"partition = \"{args.out or 'PLAN.json'}\" and schedule = \"gpipe\" "
               f"or \"1f1b\" ([data] microbatches >= {max(partition.replicas)})")  # fmt: skip
     return 0
 
