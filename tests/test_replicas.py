@@ -251,6 +251,23 @@ def test_clipping_by_the_global_norm_counts_each_replicated_stage_once(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "knobs",
+    [{"recompute": True}, {"batch_weight_grads": True}],
+    ids=["recompute", "batch-weight-grads"],
+)
+def test_replicated_stages_with_recompute_or_batched_weight_grads_match(
+    make_config: Callable[..., RunConfig], knobs: dict[str, bool]
+) -> None:
+    cfg = make_config(
+        pipeline={"stages": 2, "schedule": "1f1b", "replicas": [2, 2], **knobs},
+        optimizer={"name": "adam", "lr": 0.01, "momentum": 0.0},
+    )
+    summary = train(cfg)
+    _assert_close(_final_params(summary.run_dir), _reference(cfg)[0])
+
+
+@pytest.mark.slow
 def test_a_replicated_run_resumes_from_its_checkpoint(
     make_config: Callable[..., RunConfig],
 ) -> None:
