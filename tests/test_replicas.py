@@ -486,3 +486,15 @@ def test_replicated_1f1b_warmups_beat_the_unreplicated_ones(replicas: tuple[int,
     after = replicated_throughput(chosen, replicas, **times)  # type: ignore[arg-type]
     assert after.makespan_s <= before.makespan_s
     assert replicated_one_f_one_b(stages, microbatches, (1,) * stages) == plain
+
+
+def test_adaptipe_simulate_times_replicated_stages(capsys: pytest.CaptureFixture[str]) -> None:
+    from adaptipe.cli import main
+
+    argv = ["simulate", "--schedule", "1f1b", "--stages", "2", "--microbatches", "8"]
+    assert main([*argv, "--slowdown", "1,2", "--replicas", "1,2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["makespan"] == pytest.approx(out["replicated"]["unreplicated_makespan"])
+    assert out["replicated"]["workers"] == 3 and out["replicated"]["speedup"] == pytest.approx(1.7)
+    assert main([*argv, "--replicas", "1,x"]) != 0
+    assert "--replicas '1,x' must be integers >= 1" in capsys.readouterr().err

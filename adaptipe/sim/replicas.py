@@ -12,8 +12,10 @@ only when transfers cost something.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from adaptipe.errors import PlanError
 from adaptipe.schedule.onefoneb import one_f_one_b
@@ -34,8 +36,15 @@ from adaptipe.schedule.types import (
     SendActivation,
     SendGradient,
 )
+from adaptipe.sim.costs import CostModel
 
-__all__ = ["WARMUP_RULES", "ReplicaSim", "replicated_one_f_one_b", "replicated_throughput"]
+__all__ = [
+    "WARMUP_RULES",
+    "ReplicaSim",
+    "compare_replicas",
+    "replicated_one_f_one_b",
+    "replicated_throughput",
+]
 
 WARMUP_RULES = ("stages", "workers", "workers-less-replicas")
 """How `replicated_one_f_one_b` may count stage ``s``'s warm-up forwards: ``stages`` as
@@ -171,3 +180,58 @@ def replicated_one_f_one_b(
     assert best is not None
     _, rule, schedule = best
     return replace(schedule, meta={**schedule.meta, "warmup_rule": rule})
+
+
+def compare_replicas(
+    schedule: Schedule, replicas: Sequence[int], costs: CostModel
+) -> dict[str, Any]:
+    """``schedule`` (one job, no virtual stages) with its stages replicated ``replicas``
+    ways against the same stages unreplicated, under ``costs``: compute and updates per
+    stage (times the slowdown), a ring all-reduce of each replicated stage's parameters
+    (``2 (r - 1) / r`` of them over the link) and, for every transfer, the largest
+    boundary's activation time. A ``1f1b`` schedule runs with the replicas' warm-ups
+    (`replicated_one_f_one_b`), as ``adaptipe train`` does."""
+    stages = schedule.num_stages
+    if schedule.num_chunks != 1 or costs.num_vstages != stages:
+        raise PlanError("replicated stages: the schedule must have one chunk per stage")
+    slow = costs.slowdowns(stages)
+    fwd = costs.array("forward_s")[0] * slow
+    bwd = (
+        costs.array("backward_s")[0]
+        + (costs.array("recompute_s")[0] if schedule.recompute else 0.0)
+    ) * slow
+    upd = costs.array("update_s")[0] * slow
+    params = costs.array("param_bytes")
+    bw, lat = costs.bandwidth_Bps, costs.latency_s
+    red = [
+        lat + 2 * (r - 1) / r * float(params[s]) / bw if r > 1 else 0.0
+        for s, r in enumerate(replicas)
+    ]
+    acts = costs.array("activation_bytes")[0]
+    transfer = max(
+        (costs.transfer_s(s, s + 1, float(acts[s])) for s in range(stages - 1)), default=0.0
+    )
+    times: dict[str, Any] = {
+        "forward_s": fwd.tolist(),
+        "backward_s": bwd.tolist(),
+        "update_s": upd.tolist(),
+        "transfer_s": transfer,
+        "samples_per_microbatch": costs.samples_per_microbatch,
+    }
+    base = replicated_throughput(schedule, (1,) * stages, **times)
+    run = schedule
+    if schedule.name == "1f1b":
+        run = replicated_one_f_one_b(
+            stages, schedule.num_microbatches, replicas, recompute=schedule.recompute
+        )
+    got = replicated_throughput(run, replicas, allreduce_s=red, **times)
+    return {
+        "replicas": list(got.replicas),
+        "workers": got.workers,
+        "makespan": got.makespan_s,
+        "unreplicated_makespan": base.makespan_s,
+        "speedup": base.makespan_s / got.makespan_s if got.makespan_s > 0 else math.inf,
+        "allreduce_s": red,
+        "warmup": run.meta.get("warmup"),
+        "warmup_rule": run.meta.get("warmup_rule"),
+    }
