@@ -199,7 +199,7 @@ class _Worker:
             num_boundaries=schedule.num_virtual_stages,
             num_microbatches=m * longest,
             num_jobs=schedule.num_jobs,
-            measure_links=_measures_links(run, config),
+            measure_links=replicas.primary and _measures_links(run, config),  # who reports
         )
         plan = PlanVersion(version=0, jobs=tuple(range(len(jobs))), schedule=schedule)
         windows = Windows(config, instance, stage, plan)
