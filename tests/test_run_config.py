@@ -122,6 +122,7 @@ def test_defaults_are_filled_in(tmp_path: Path) -> None:
         "recompute": False,
         "batch_weight_grads": False,
         "partition": "even",
+        "replicas": [],
         "vertical_sync": False,
         "update_every": None,
         "bandwidth": "inf",

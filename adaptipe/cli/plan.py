@@ -112,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"predicted time per micro-batch: {partition.predicted_s * 1e3:.3f} ms")
     if args.out:
         print(f"wrote {args.out}")
+    if max(partition.replicas) > 1:
+        print(f"its replicated stages run as {sum(partition.replicas)} processes with "
+              f"[pipeline] stages = {partition.num_stages}, "
+              f"partition = \"{args.out or 'PLAN.json'}\" and schedule = \"gpipe\" "
+              f"or \"1f1b\" ([data] microbatches >= {max(partition.replicas)})")  # fmt: skip
     return 0
 
 
@@ -156,6 +161,12 @@ def _twobw(args: argparse.Namespace, prof: object) -> int:
               f"update_every = {chosen.accumulation}, "
               f"recompute = {str(chosen.recompute).lower()}, "
               f"partition = {list(chosen.partition.bounds)}")  # fmt: skip
-    else:
-        print("(a width above 1 needs replicated stages, which adaptipe does not run yet)")
+    else:  # every stage replicated `width` ways: 1F1B-RR, with a flush (not 2BW's rule)
+        w, m = chosen.width, chosen.accumulation
+        print("train its shape with replicated stages (adaptipe replicates stages under the")
+        print("flushing schedules gpipe and 1f1b only, so this steps as PipeDream-Flush does):")
+        print(f"  [data] batch_size = {chosen.microbatch * m * w}, microbatches = {m * w}")
+        print(f"  [pipeline] stages = {chosen.depth}, schedule = \"1f1b\", "
+              f"replicas = {[w] * chosen.depth}, recompute = {str(chosen.recompute).lower()}, "
+              f"partition = {list(chosen.partition.bounds)}")  # fmt: skip
     return 0

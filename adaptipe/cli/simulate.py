@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adaptipe.cli.options import parse_floats
 from adaptipe.errors import PlanError
 from adaptipe.schedule.build import SCHEDULE_NAMES
 from adaptipe.units import format_bytes, parse_bandwidth
+
+if TYPE_CHECKING:
+    from adaptipe.schedule.types import Schedule
+    from adaptipe.sim.costs import CostModel
 
 __all__ = ["add_parser", "run"]
 
@@ -40,6 +44,10 @@ def add_parser(
         "--latency", type=float, default=0.0, help="link latency in seconds (with --profile)"
     )
     p.add_argument("--slowdown", help="per-stage compute slowdown factors, e.g. 1,2.5")
+    p.add_argument(
+        "--replicas",
+        help="also time the stages replicated, e.g. 1,2 (gpipe, 1f1b; one worker each)",
+    )
     p.add_argument(
         "--batch-weight-grads",
         action="store_true",
@@ -119,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         microbatches=args.microbatches,
         virtual=args.virtual,
     )
+    if args.replicas:
+        out["replicated"] = _replicated(args.replicas, schedule, costs)
     if args.iterations > 1:
         many = simulate_iterations(schedule, costs, args.iterations)
         out["iterations"] = args.iterations
@@ -143,6 +153,25 @@ def run(args: argparse.Namespace) -> int:
             f"  stage {s}: busy {result.busy_s[s]:.6g}, peak activations "
             f"{format_bytes(result.peak_activation_bytes[s])}, weights {format_bytes(result.peak_weight_bytes[s])}"
         )
+    if args.replicas:
+        rep = out["replicated"]
+        print(f"  replicated {rep['replicas']}: {rep['workers']} workers, makespan "
+              f"{rep['makespan']:.6g}, {rep['speedup']:.3f}x the unreplicated stages")  # fmt: skip
     if args.gantt:
         print(f"wrote {args.gantt}")
     return 0
+
+
+def _replicated(text: str, schedule: Schedule, costs: CostModel) -> dict[str, Any]:
+    """``--replicas``: the stages replicated against the same stages unreplicated."""
+    from adaptipe.schedule.replicate import ReplicaLayout, check_replicable
+    from adaptipe.sim.replicas import compare_replicas
+
+    try:
+        layout = ReplicaLayout(tuple(int(r) for r in text.split(",")))
+    except (ValueError, PlanError):
+        raise PlanError(
+            f"--replicas {text!r} must be integers >= 1, one per stage (e.g. 1,2)"
+        ) from None
+    check_replicable(schedule, layout, source="--replicas")
+    return compare_replicas(schedule, layout.replicas, costs)

@@ -99,6 +99,14 @@ def request_adapt(
         )
     if paused is None and controller is None:
         raise PlanError("nothing to change: give --pause, --resume or --controller NAME")
+    partition = root / "partition.json"
+    replicas = json.loads(partition.read_text()).get("replicas", []) if partition.is_file() else []
+    if controller not in (None, "none") and max(replicas, default=1) > 1:
+        raise PlanError(
+            f"{partition}: replicas {replicas} replicate a stage, and a controller moves "
+            "layers, which a replicated pipeline does not (every replica would have to take "
+            "the layer); allowed here: --controller none, --pause, --resume"
+        )
     old = read_override(root) or AdaptOverride()
     new = AdaptOverride(
         paused=old.paused if paused is None else paused,

@@ -31,6 +31,7 @@ complete example::
     recompute = false
     batch_weight_grads = false  # weight gradients once per batch (synchronous schedules)
     partition = "even"          # a planner, a Partition JSON path, or bounds [0, 3, 6]
+    replicas = [1, 1]           # workers per stage, e.g. [1, 2] (gpipe, 1f1b); default: the partition's
     bandwidth = "inf"           # for the planners, e.g. "1GB/s"
 
     [train]
@@ -72,6 +73,7 @@ from adaptipe.runtime.config_sections import (
     OptimizerSection,
     PipelineSection,
     TrainSection,
+    replica_counts,
     stage_memory,
 )
 from adaptipe.runtime.host import fit_to_host, resolve_backend, this_host
@@ -256,8 +258,10 @@ def _parse(
             raise PlanError(f"{source}: unknown section [{name}] (allowed: {allowed})")
     model, spec = _model(_table(data, "model", ModelSection, source), source, base)
     raw = _table(data, "pipeline", PipelineSection, source)
+    replicas = replica_counts(raw.get("replicas"), f"{source}: [pipeline].replicas")
+    partition = _partition(raw, source, base)
     pipeline = _read(
-        PipelineSection, raw, source, "pipeline", partition=_partition(raw, source, base)
+        PipelineSection, raw, source, "pipeline", partition=partition, replicas=replicas
     )
     try:
         parse_bandwidth(pipeline.bandwidth, what="[pipeline].bandwidth")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from adaptipe.errors import PlanError
 from adaptipe.plan.api import PLANNERS
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.replica_checks import check_replicas
 from adaptipe.serial import read_json
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ def check_cross(config: RunConfig, spec: ModelSpec) -> None:
     """Checks across sections: everything a run would otherwise trip over after starting."""
     src, data, pipe = config.source, config.data, config.pipeline
     _check_clip(config)
+    if pipe.replicas:
+        check_replicas(config, pipe.replicas, f"{src}: [pipeline].replicas")
     if config.train.stage_memory_mb is not None and not config.train.telemetry:
         raise _fail(
             src, "[train].stage_memory_mb",

@@ -147,6 +147,8 @@ class PipelineSection:
     recompute: bool = False
     batch_weight_grads: bool = False
     partition: str | tuple[int, ...] = "even"
+    # Data-parallel replicas per stage (PipeDream 1F1B-RR); empty: the partition's own.
+    replicas: tuple[int, ...] = field(default=(), metadata={"custom": True})
     vertical_sync: bool = False
     update_every: int | None = field(default=None, metadata=_rule(minimum=1))
     bandwidth: str = "inf"
@@ -154,6 +156,11 @@ class PipelineSection:
     @property
     def bandwidth_Bps(self) -> float:
         return parse_bandwidth(self.bandwidth)
+
+    @property
+    def processes(self) -> int:
+        """Worker processes: one per stage, one more per extra replica."""
+        return self.stages + sum(r - 1 for r in self.replicas)
 
     def schedule_for(self, microbatches: int) -> Schedule:
         """This pipeline's schedule for `microbatches` (one job's; a sweep's comes from
@@ -208,6 +215,20 @@ class TrainSection:
         """Stage ``stage``'s memory limit in MB (None: the guard is off)."""
         limit = self.stage_memory_mb
         return limit[stage] if isinstance(limit, tuple) else limit
+
+
+def replica_counts(value: Any, where: str) -> tuple[int, ...]:
+    """``[pipeline].replicas`` read: a list of integers >= 1, one per stage (empty: unset);
+    ``where`` names the file and field in the error (`check_replicas` checks the rest)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value
+    ):
+        raise PlanError(
+            f"{where} must be a list of integers >= 1, one per stage, e.g. [1, 2] (got {value!r})"
+        )
+    return tuple(value)
 
 
 def stage_memory(value: Any, where: str, stages: int) -> int | tuple[int, ...] | None:

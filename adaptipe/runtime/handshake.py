@@ -15,6 +15,7 @@ import torch
 
 from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, recv_spec, send_spec
+from adaptipe.schedule.replicate import ReplicaLayout
 from adaptipe.schedule.types import Schedule
 
 __all__ = ["boundary_specs_in_process", "negotiate_shapes", "output_spec"]
@@ -40,26 +41,36 @@ def negotiate_shapes(
     device: torch.device,
     wire: torch.device,
     jobs: Sequence[int] | None = None,
+    layout: ReplicaLayout | None = None,
 ) -> BoundarySpecs:
     """This worker's boundary specs, agreed with its neighbours over ``torch.distributed``.
 
     ``first_inputs`` (job -> input spec) is needed only on the worker holding virtual
     stage 0; ``jobs`` are the jobs to agree for (default: all of the schedule's). Every
-    worker must call this at the same point with the same jobs.
+    worker must call this at the same point with the same jobs. With replicated stages
+    (``layout``) replica k hears from replica ``k mod r`` of the stage before it and
+    tells each replica of the next stage that hears from it.
     """
     out: BoundarySpecs = {}
     last = schedule.num_virtual_stages - 1
+    layout = layout or ReplicaLayout((1,) * schedule.num_stages)
+    stage, replica = layout.place(rank)
+    reps = layout.replicas
     for job in range(schedule.num_jobs) if jobs is None else jobs:
         for chunk in range(schedule.num_chunks):
-            g = schedule.vstage(rank, chunk)
+            g = schedule.vstage(stage, chunk)
             if g == 0:
                 in_spec = first_inputs[job]
             else:
-                in_spec = recv_spec(schedule.place(g - 1)[0], wire=wire)
+                src = schedule.place(g - 1)[0]
+                in_spec = recv_spec(layout.rank(src, replica % reps[src]), wire=wire)
                 out[(job, g)] = in_spec
             if g < last:
                 spec = output_spec(executor, job, chunk, in_spec, device)
-                send_spec(spec, schedule.place(g + 1)[0], wire=wire)
+                dst = schedule.place(g + 1)[0]
+                for k in range(reps[dst]):
+                    if k % reps[stage] == replica:
+                        send_spec(spec, layout.rank(dst, k), wire=wire)
                 out[(job, g + 1)] = spec
     return out
 

@@ -85,7 +85,7 @@ def fit_to_host(config: RunConfig, host: HostFacts) -> RunConfig:
     unset ``threads_per_stage`` (cores // stages) and resolves ``backend = "auto"``.
     Applying it again with the same facts changes nothing.
     """
-    train, stages = config.train, config.pipeline.stages
+    train, stages = config.train, config.pipeline.processes  # a replica is a process too
     device, backend, count = train.device, train.backend, host.gpus
     where = f"{config.source}: [train]"
     if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= count:

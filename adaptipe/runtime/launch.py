@@ -53,6 +53,7 @@ from adaptipe.runtime.supervisor import (
     spawn,
 )
 from adaptipe.runtime.tboard import final_validation, open_sink, with_sink
+from adaptipe.schedule.replicate import ReplicaLayout
 from adaptipe.schedule.types import Schedule
 from adaptipe.serial import json_line, load_json_file, write_json
 
@@ -100,7 +101,7 @@ def prepare(
         source = Path(config)
         config = parse_config(source)
     # This host starts every worker: check the config against it (`load_config` in two).
-    config = fit_to_host(config, this_host())
+    unfitted, config = config, fit_to_host(config, this_host())
     run = RunDir(run_dir if run_dir is not None else config.train.run_dir)
     existing = ckpt.latest(run.checkpoints)
     if existing is not None:
@@ -109,6 +110,10 @@ def prepare(
             f"`adaptipe train --resume {run.root}`, or choose another --run-dir"
         )
     plans = resolve_plans(config)
+    if plans.partition.replicas != config.pipeline.replicas and max(plans.partition.replicas) > 1:
+        # a plan file's replicas: the config says them too, and they count as processes
+        pipeline = replace(unfitted.pipeline, replicas=plans.partition.replicas)
+        config = fit_to_host(replace(unfitted, pipeline=pipeline), this_host())
     run.write_plans(
         config=config,
         partition=plans.partition,
@@ -342,7 +347,7 @@ def _run(
         start_workers = functools.partial(
             spawn,
             run,
-            schedule.num_stages,
+            ReplicaLayout.of(run.read_partition().replicas, schedule.num_stages).world,
             telemetry=collector.address if collector is not None else None,
             telemetry_interval_s=cfg.train.telemetry_interval_s,
             control_dir=control_dir,
@@ -468,14 +473,13 @@ def _adapt_loop(
 ) -> AdaptLoop:
     """The decision loop; with no controller configured it idles until ``adaptipe adapt``
     names one."""
-    rebuild = functools.partial(_rebuild, factory, run, cfg)
     return AdaptLoop(
         run,
         cfg.adapt,
         chosen,
         collector.for_decision,
         start=start,
-        rebuild=rebuild,
+        rebuild=functools.partial(_rebuild, factory, run, cfg),
         checkpoint_due=functools.partial(checkpoint_due, cfg, total=total),
         memory_warnings=cfg.train.stage_memory_mb is not None,
     )

@@ -92,6 +92,12 @@ def manage(
         )
     address = _check_bind(bind)
     schedule = run.read_schedule()
+    if max(run.read_partition().replicas) > 1:
+        raise PlanError(
+            f"{run.partition_json}: replicas {list(run.read_partition().replicas)} replicate a "
+            "stage, which `adaptipe train` runs (one host) and `adaptipe manage` does not yet "
+            "(its torchrun workers are counted per stage); train it with `adaptipe train`"
+        )
     scenario = None
     if inject is not None:
         scenario = load_interference(

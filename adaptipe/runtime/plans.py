@@ -16,8 +16,11 @@ from adaptipe.plan.partition import Partition
 from adaptipe.plan.resolve import resolve_partition
 from adaptipe.profile.types import Profile
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.replica_checks import with_replicas
+from adaptipe.schedule.replicate import ReplicaLayout, validate_replicated
 from adaptipe.schedule.types import Schedule
 from adaptipe.schedule.validate import validate
+from adaptipe.sim.replicas import replicated_one_f_one_b
 
 __all__ = ["Plans", "resolve_plans"]
 
@@ -49,6 +52,8 @@ def resolve_plans(config: RunConfig) -> Plans:
         source=f"{config.source}: [pipeline].partition",
         shape=f"stages x virtual = {p.stages} x {p.virtual}",
     )
+    named = f"{config.source}: [pipeline].partition = {p.partition!r}"
+    partition = with_replicas(config, partition, source=named)
     if config.sweep is not None:
         from adaptipe.runtime.jobarray import plan_job_array
 
@@ -64,7 +69,14 @@ def resolve_plans(config: RunConfig) -> Plans:
         return Plans(partition, planned.schedule, profile or first, extra)
     # The same build that loading the config checked (`PipelineSection.schedule_for`).
     schedule = p.schedule_for(config.data.microbatches)
+    layout = ReplicaLayout.of(partition.replicas, p.stages)
+    if layout.replicated and p.schedule == "1f1b":  # warm-ups for the replicas
+        schedule = replicated_one_f_one_b(
+            p.stages, config.data.microbatches, layout.replicas, recompute=p.recompute
+        )
     validate(schedule)
+    if layout.replicated:
+        validate_replicated(schedule, layout)
     return Plans(partition, schedule, profile)
 
 

@@ -20,7 +20,14 @@ from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.serial import json_line
 
-__all__ = ["done_record", "iteration_record", "log", "per_iteration", "stage_stats"]
+__all__ = [
+    "done_record",
+    "iteration_record",
+    "log",
+    "log_window",
+    "per_iteration",
+    "stage_stats",
+]
 
 
 def iteration_record(
@@ -129,6 +136,32 @@ def log(fh: TextIO, record: dict[str, Any]) -> None:
     record.setdefault("time", time.time())
     fh.write(json_line(record))
     fh.flush()
+
+
+def log_window(
+    fh: TextIO,
+    stats: IterationStats,
+    *,
+    start: int,
+    stop: int,
+    times: tuple[float, float],
+    stage: int,
+    per_round: int,
+) -> None:
+    """Log one record per iteration of the window ``start..stop`` that ran from
+    ``times[0]`` to ``times[1]`` (its iterations share its time evenly)."""
+    rounds, (begun, ended) = stop - start, times
+    for r in range(rounds):
+        record = iteration_record(
+            stats,
+            iteration=start + r,
+            stage=stage,
+            rounds=rounds,
+            per_round=per_round,
+            round_index=r,
+            end_time=begun + (ended - begun) * (r + 1) / rounds,
+        )
+        log(fh, record)
 
 
 def done_record(rank: int, steps: int, memory: MemoryManager | None) -> dict[str, Any]:

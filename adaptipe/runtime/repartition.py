@@ -46,6 +46,12 @@ def repartition(run_dir: str | os.PathLike[str], bounds: Sequence[int]) -> PlanV
     _refuse_finished(run)
     current = read_active(run, current_version(run))
     base = run.read_partition()
+    if max(base.replicas) > 1:
+        raise PlanError(
+            f"{run.partition_json}: replicas {list(base.replicas)} replicate a stage, and "
+            "layers do not move on a replicated pipeline (every replica would have to take "
+            "the layer); train it unreplicated to re-partition"
+        )
     in_force = _partition_in_force(run)
     if current.partition != in_force:
         pending = current.partition.bounds if current.partition is not None else base.bounds

@@ -32,13 +32,19 @@ def save_checkpoint(
     world: int,
     config: RunConfig,
     num_layers: int,
+    primary: bool = True,
 ) -> None:
+    """Save this stage's layers and, on rank 0, commit the checkpoint; every worker calls
+    it. Of a replicated stage only replica 0 (``primary``) writes: one copy per stage."""
     if stage.memory is not None:
         stage.memory.synchronize()  # offloaded states are complete before they are saved
     meta: dict[str, Any] = {"iteration": iteration, "stage": rank, "layers": stage.layers()}
-    ckpt.save_stage(run.checkpoint_dir(iteration), stage=rank, tensors=stage.tensors(), meta=meta)
+    if primary:
+        ckpt.save_stage(
+            run.checkpoint_dir(iteration), stage=rank, tensors=stage.tensors(), meta=meta
+        )
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and primary:
         ckpt.commit(
             run.checkpoints,
             iteration=iteration,

@@ -34,7 +34,7 @@ from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.data import loss_scale as default_loss_scale
 from adaptipe.runtime.jobclip import JobClip, job_clip
 from adaptipe.runtime.memory import MemoryManager
-from adaptipe.runtime.recipe import global_clip
+from adaptipe.runtime.recipe import GlobalClip, global_clip
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, Transport
@@ -324,12 +324,15 @@ class Stage:
         if self.executor is not None:
             self.executor.step_tap = self._tap()
 
-    def install_clipping(self) -> None:
-        """What ``clip_grad_norm`` asks for: one job's `global_clip`, or a job-array's
-        `job_clip` (called once by every stage, in the same order as its other groups)."""
+    def install_clipping(
+        self, wrap: Callable[[GlobalClip | None], Callable[[list[LayerSlot]], None] | None]
+    ) -> None:
+        """What ``clip_grad_norm`` asks for: one job's `global_clip` (inside ``wrap``,
+        which adds a replicated stage's gradient all-reduce), or a job-array's
+        `job_clip`; every stage calls it once, in the same order as its other groups."""
         n = self.spec.num_layers
         if self.binder is None:
-            self.clip_gradients(global_clip(self.config.optimizer.clip_grad_norm, n))
+            self.clip_gradients(wrap(global_clip(self.config.optimizer.clip_grad_norm, n)))
         else:
             self.clip_jobs(
                 job_clip({j.index: j.optimizer.clip_grad_norm for j in self.config.jobs}, n)

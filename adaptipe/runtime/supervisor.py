@@ -25,6 +25,7 @@ from adaptipe.inject.injectors import CONTROL_DIR_ENV
 from adaptipe.profile.children import free_port
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.worker import MANAGER_ENV, TELEMETRY_ENV, TELEMETRY_INTERVAL_ENV
+from adaptipe.schedule.replicate import ReplicaLayout
 
 __all__ = [
     "LocalWorkers",
@@ -182,7 +183,22 @@ def failure(run: RunDir, stage: int, code: int | None) -> StageFailed:
         else:
             cause = f"exited with status {code}"
     resume = f"; {resume_hint(run)}" if ckpt.latest(run.checkpoints) else ""
-    return StageFailed(f"stage {stage} failed: {cause} (log: {run.log(stage)}){resume}")
+    return StageFailed(
+        f"{_worker_name(run, stage)} failed: {cause} (log: {run.log(stage)}){resume}"
+    )
+
+
+def _worker_name(run: RunDir, rank: int) -> str:
+    """``stage N``, or for a replica beyond the first ``stage N replica K (rank R)``."""
+    try:
+        replicas = run.read_partition().replicas
+        layout = ReplicaLayout.of(replicas, run.read_schedule().num_stages)
+    except (OSError, ValueError):  # no plans to read: name the rank
+        return f"stage {rank}"
+    if rank < layout.num_stages or rank >= layout.world:
+        return f"stage {rank}"
+    stage, replica = layout.place(rank)
+    return f"stage {stage} replica {replica} (rank {rank})"
 
 
 def resume_hint(run: RunDir) -> str:

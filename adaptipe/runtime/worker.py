@@ -65,14 +65,16 @@ from adaptipe.runtime.memory_guard import guard_hook
 from adaptipe.runtime.migration import layers_of, migrate
 from adaptipe.runtime.plan_switch import PlanSwitch
 from adaptipe.runtime.planversion import PlanVersion
-from adaptipe.runtime.records import done_record, iteration_record, log
+from adaptipe.runtime.records import done_record, log, log_window
+from adaptipe.runtime.replicas import Replicas
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.stage import MicroBatches
 from adaptipe.runtime.stage_checkpoint import load_latest, save_checkpoint
 from adaptipe.runtime.stagestate import Stage, build_stage
-from adaptipe.runtime.transport import P2PTransport, TensorSpec, wire_device
+from adaptipe.runtime.transport import P2PTransport, TensorSpec
 from adaptipe.runtime.windowcut import WindowCut
 from adaptipe.runtime.windows import Windows, memory_manager, window_end
+from adaptipe.schedule.replicate import ReplicaLayout
 from adaptipe.serial import load_json_file, read_json
 
 __all__ = [
@@ -106,8 +108,10 @@ def run_worker(run_dir: Path, *, resume: bool) -> None:
             "halving_every = 0 to train here."
         )
     schedule = run.read_schedule()
-    if schedule.num_stages != proc.world:
-        raise RuntimeError(f"schedule has {schedule.num_stages} stages but WORLD_SIZE={proc.world}")
+    layout = ReplicaLayout.of(run.read_partition().replicas, schedule.num_stages)
+    if layout.world != proc.world:  # replicated stages: one process per replica
+        raise RuntimeError(f"schedule has {schedule.num_stages} stages, replicas "
+                           f"{list(layout.replicas)}: {layout.world} processes but WORLD_SIZE={proc.world}")  # fmt: skip
     threads = pin_threads(proc.local_rank, proc.local_world, config.train.threads_per_stage)
     device = place(config, proc.local_rank)
     init_group(config, proc, device)
@@ -138,6 +142,7 @@ class _Worker:
     follower: PlanFollower
     holds: tuple[bool, bool]  # (first virtual stage, last virtual stage)
     switch: PlanSwitch  # which plan version runs from each boundary
+    replicas: Replicas  # this worker's stage and replica (`adaptipe.runtime.replicas`)
     cut: WindowCut | None = None  # job-arrays: ends a window when a plan comes mid-way
     active: set[int] = field(default_factory=set)
 
@@ -152,13 +157,17 @@ class _Worker:
     ) -> _Worker:
         spec = config.model.spec()
         partition, schedule = run.read_partition(), run.read_schedule()
-        stage = build_stage(spec, partition, schedule, proc.rank, config, device)
-        stage.install_clipping()
+        layout = ReplicaLayout.of(partition.replicas, schedule.num_stages)
+        replicas = Replicas.join(layout, proc.rank, backend=backend(config, device), device=device)
+        wire = replicas.wire  # where tensors travel (`wire_device`)
+        stage = build_stage(spec, partition, schedule, replicas.stage, config, device)
+        stage.install_clipping(replicas.step_hook)  # the replicas' all-reduce, then clipping
+        schedule = replicas.view(schedule)  # a replica runs its micro-batches only
         start = load_latest(run, spec, stage, restore=proc.rank == 0) if resume else 0
         if resume:
             dist.barrier()  # rank 0 restored the checkpoint's plan history: all read it
         stage_holds = (schedule.place(0)[0], schedule.place(schedule.num_virtual_stages - 1)[0])
-        holds = (stage_holds[0] == proc.rank, stage_holds[1] == proc.rank)
+        holds = (stage_holds[0] == replicas.stage, stage_holds[1] == replicas.stage)
         dataset = with_loader(spec.dataset(split=config.data.split), config.data.loader_workers)
         jobs, m = config.jobs, schedule.num_microbatches
         streams = [  # each job reads its own data stream: its batch size and data seed
@@ -176,7 +185,6 @@ class _Worker:
             else None
         )
         stage.use_memory(memory_manager(config, stage, schedule, instance, device))
-        wire = wire_device(device, backend(config, device))
         longest = max(  # the transport numbers transfers for the longest window
             (config.sweep.rounds(j, schedule.num_stages) for j in range(1, len(jobs) + 1))
             if config.sweep is not None
@@ -189,7 +197,7 @@ class _Worker:
             num_boundaries=schedule.num_virtual_stages,
             num_microbatches=m * longest,
             num_jobs=schedule.num_jobs,
-            measure_links=_measures_links(run, config),
+            measure_links=replicas.primary and _measures_links(run, config),  # who reports
         )
         plan = PlanVersion(version=0, jobs=tuple(range(len(jobs))), schedule=schedule)
         windows = Windows(config, instance, stage, plan)
@@ -236,16 +244,18 @@ class _Worker:
                 config=config, follower=follower, stage=stage, transport=transport, start=start
             ),
             active=set(range(len(jobs))),
+            replicas=replicas,
         )
         worker.handshake()
         return worker
 
     # ------------------------------------------------------------------ the loop
     def train(self, threads: int) -> None:
-        run, config, rank, stage = self.run, self.config, self.proc.rank, self.stage
-        hooks = worker_hooks(run, config, stage, self.transport)
+        run, config, rank, stage = self.run, self.config, self.replicas.stage, self.stage
+        primary = self.replicas.primary  # replica 0 reports the stage, takes injections
+        hooks = worker_hooks(run, config, stage, self.transport) if primary else []
         edges = set().union(*(h.edges() for h in hooks)) | self.follower.replay_edges(self.start)
-        with run.stage_metrics(rank).open("a") as fh, contextlib.ExitStack() as cleanup:
+        with self.replicas.metrics_path(run).open("a") as fh, contextlib.ExitStack() as cleanup:
             limit = config.train.memory_limit_mb(rank)
             hooks += guard_hook(run.root, limit, stage, lambda event: log(fh, event))
             for hook in hooks:
@@ -283,7 +293,8 @@ class _Worker:
                 epoch += 1
                 window = Window(it, stop, window.executor, begun, time.time(), stats, plan)
                 self.switch.note(stats, window.rounds)
-                self.record(window, fh)
+                times = (window.begun, window.ended)
+                log_window(fh, stats, start=it, stop=stop, times=times, stage=rank, per_round=self.per_round)  # fmt: skip
                 for hook in hooks:
                     hook.after_window(window)
                 it = stop
@@ -301,6 +312,7 @@ class _Worker:
         if cut is not None:
             cut.begin(epoch, window.rounds)
         stats = window.executor.run_iteration(epoch, self.microbatches(feeds, window), cut)
+        self.replicas.merge_losses(stats, last=self.holds[1], microbatches=self.per_round)
         if cut is not None:
             cut.end()
         if stats.cut_at is not None:
@@ -327,6 +339,9 @@ class _Worker:
         rank = self.proc.rank
         event = {"stage": rank, "iteration": it, "bounds": list(partition.bounds)}
         method = self.config.adapt.method
+        if self.replicas.layout.replicated:  # config checks refuse it; a request can ask
+            log(fh, {"event": "plan_refused", **event, "why": "replicated stages do not move layers"})  # fmt: skip
+            return False
         if method == "restart" and it != self.start:
             # The field's baseline: every stage checkpoints here and exits; the manager
             # starts the workers again, which take the partition on from the checkpoint.
@@ -394,6 +409,7 @@ class _Worker:
             self.stage.device,
             self.wire,
             jobs=self.windows.plan.jobs,  # a stopped job's state is not loaded for it
+            layout=self.replicas.layout,
         )
         if self.stage.memory is not None:
             self.stage.memory.take_window()  # loads for the shape probe are not a window's
@@ -421,22 +437,6 @@ class _Worker:
         nothing: MicroBatches = [(None, None)] * (self.per_round * window.rounds)
         return [feeds.get(j, nothing) for j in range(len(self.config.jobs))]
 
-    def record(self, window: Window, fh: TextIO) -> None:
-        assert window.stats is not None
-        m = self.per_round
-        span = window.ended - window.begun
-        for r in range(window.rounds):  # a window's iterations share its time evenly
-            record = iteration_record(
-                window.stats,
-                iteration=window.start + r,
-                stage=self.proc.rank,
-                rounds=window.rounds,
-                per_round=m,
-                round_index=r,
-                end_time=window.begun + span * (r + 1) / window.rounds,
-            )
-            log(fh, record)
-
     def checkpoint_due(self, done: int) -> bool:
         return checkpoint_due(self.config, done, self.total)
 
@@ -446,8 +446,9 @@ class _Worker:
             self.stage,
             iteration=iteration,
             steps=self.stage.steps_done,
-            rank=self.proc.rank,
-            world=self.proc.world,
+            rank=self.replicas.stage,
+            world=self.replicas.layout.num_stages,
+            primary=self.replicas.primary,  # one copy per stage: replica 0's
             config=self.config,
             num_layers=self.spec.num_layers,
         )

@@ -17,7 +17,7 @@ is the (forward, backward) order PipeDream and PipeDream-2BW reuse (ch. 2 §2.3.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from adaptipe.errors import PlanError
@@ -123,20 +123,33 @@ def one_f_one_b_order(
     return order
 
 
-def one_f_one_b(stages: int, microbatches: int, *, recompute: bool = False) -> Schedule:
+def one_f_one_b(
+    stages: int,
+    microbatches: int,
+    *,
+    recompute: bool = False,
+    warmups: Sequence[int] | None = None,
+) -> Schedule:
     """PipeDream-Flush / 1F1B (dissertation §3.3): flush-synchronous, ``S - s`` in flight.
 
     One optimizer step after all ``M`` backwards, so every micro-batch uses weight
-    version 0 (``weights="sync"``, ``update_every=M``).
+    version 0 (``weights="sync"``, ``update_every=M``). ``warmups`` sets each worker's
+    warm-up forwards instead (replicated stages keep more in flight,
+    `adaptipe.sim.replicas.replicated_one_f_one_b`).
     """
     what = "1F1B"
     check_count(what, "stages", stages)
     check_count(what, "microbatches", microbatches)
+    if warmups is None:
+        warmups = [one_f_one_b_warmup(stages, microbatches, s) for s in range(stages)]
+    if len(warmups) != stages or any(w < 0 for w in warmups):
+        raise PlanError(f"{what}: warmups must hold one count >= 0 per stage (got {warmups})")
+    warmups = [min(w, microbatches) for w in warmups]
     program: list[tuple[Instruction, ...]] = []
     for s in range(stages):
         ops: list[Forward | Backward | OptimizerStep] = [
             Forward(0, mb) if kind == "F" else Backward(0, mb)
-            for kind, mb in one_f_one_b_order(stages, microbatches, s)
+            for kind, mb in one_f_one_b_order(stages, microbatches, s, warmup=warmups[s])
         ]
         ops.append(OptimizerStep(0))
         program.append(add_transfers(ops, stage=s, num_stages=stages, recompute=recompute))
@@ -148,5 +161,5 @@ def one_f_one_b(stages: int, microbatches: int, *, recompute: bool = False) -> S
         weights="sync",
         update_every=microbatches,
         recompute=recompute,
-        meta={"warmup": [one_f_one_b_warmup(stages, microbatches, s) for s in range(stages)]},
+        meta={"warmup": list(warmups)},
     )
