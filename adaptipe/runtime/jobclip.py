@@ -49,6 +49,7 @@ from .recipe import clip_coefficient, global_norm, layer_sq_norm
 __all__ = ["JobClip", "NormExchange", "check_waits", "job_clip", "plan_waits"]
 
 _TAG_STEPS = 4096  # a job's steps per window: at most its micro-batches
+_PLANS_KEPT = 8  # window schedules whose wait placement is remembered
 
 
 class NormExchange:
@@ -113,7 +114,9 @@ class JobClip:
         self.last_norm: dict[int, float] = {}
         self._steps: dict[int, int] = {}
         self._pending: dict[int, _Pending] = {}
-        self._plans: dict[tuple[int, bool], list[set[tuple[int, int]]]] = {}
+        # the last few windows' placements, keyed by their schedule (held, so that its
+        # id is not reused while the entry lives)
+        self._plans: dict[tuple[int, bool], tuple[Schedule, list[set[tuple[int, int]]]]] = {}
         self._here: set[tuple[int, int]] = set()  # (job, k) steps applied where they are
 
     def plan(self, schedule: Schedule, *, at_step: bool) -> None:
@@ -122,8 +125,10 @@ class JobClip:
         key = (id(schedule), at_step)
         if key not in self._plans:
             clipped = {j for j, n in enumerate(self.max_norms) if n}
-            self._plans[key] = plan_waits(schedule, clipped, at_step=at_step)
-        self._here = self._plans[key][self.exchange.rank]
+            self._plans[key] = (schedule, plan_waits(schedule, clipped, at_step=at_step))
+            while len(self._plans) > _PLANS_KEPT:
+                del self._plans[next(iter(self._plans))]  # the oldest
+        self._here = self._plans[key][1][self.exchange.rank]
 
     def step(
         self,
