@@ -12,8 +12,8 @@ and one built from a simulated trace are interchangeable. It holds:
   layer's sum over an iteration's ``microbatches``, by global layer index, so they
   survive a re-partition; the profile's are per micro-batch too), per-stage compute and
   iteration seconds;
-- **per-link bandwidth** (``link_sample`` records, the smoothed estimate), the mean over
-  the window's samples per (src, dst);
+- **per-link bandwidth** (``link_sample`` records, the smoothed estimate): the newest
+  sample per (src, dst);
 - **device status**: each stage's latest device sample as the fixed feature vector of
   `adaptipe.monitor.features`;
 - **the partition in force** (layer bounds) and the iteration it was observed at.
@@ -21,7 +21,6 @@ and one built from a simulated trace are interchangeable. It holds:
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -195,13 +194,9 @@ def observe(
     iteration_s = tuple(
         tuple(float(by_iteration[it][s].iteration_s) for s in range(stages)) for it in chosen
     )
-    since = min(by_iteration[chosen[0]][s].time_s for s in range(stages)) - 1e-9
-    bandwidth = {
-        pair: statistics.fmean(v for t, v in samples if t >= since)
-        if any(t >= since for t, _ in samples)
-        else samples[-1][1]
-        for pair, samples in links.items()
-    }
+    # each sample is already smoothed (`adaptipe.monitor.bandwidth.LinkTimer`): a mean
+    # over the window on top lagged a throttled link's onset by several iterations
+    bandwidth = {pair: max(samples)[1] for pair, samples in links.items()}
     return replace(
         Observation.from_profile(profile, partition.bounds, microbatches=microbatches),
         iteration=chosen[-1],

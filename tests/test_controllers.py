@@ -1,6 +1,6 @@
 """The controller protocol's input: an `Observation` built from telemetry holds the last
 W iterations every stage reported, per-layer times by global layer index (across a
-re-partition), the window's mean link bandwidth, each stage's latest device features
+re-partition), each link's newest bandwidth, each stage's latest device features
 and the profile's static per-layer metrics; it round-trips through JSON."""
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_an_observation_holds_the_last_complete_iterations_by_global_layer() -> 
     assert obs.measured_backward_s[-1][5] == pytest.approx(0.36)
     assert obs.stage_compute_s == ((0.1, 0.1), (0.1, 0.1), (0.3, 0.3), (0.3, 0.3))
     assert obs.stage_iteration_s[2] == pytest.approx((0.36, 0.36))
-    assert obs.link_bandwidth_Bps == {"0-1": 4e6}  # only the window's samples
+    assert obs.link_bandwidth_Bps == {"0-1": 4e6}  # the newest sample
     assert len(obs.device) == 2 and len(obs.device[0]) == len(FEATURES)
     assert obs.device[1] == (0.0,) * len(FEATURES)  # stage 1 sent no device sample
     assert obs.layer_forward_s[2] == pytest.approx(0.003)
@@ -115,6 +115,9 @@ def test_a_window_across_a_re_partition_keeps_each_layer_where_it_was_measured()
     for row in obs.measured_forward_s:  # layer 2 moved from stage 0 to 1 at 8: never lost
         assert not any(math.isnan(v) for v in row)
     assert obs.link_bandwidth_Bps["0-1"] == pytest.approx(4e6)
+    # a window reaching back to the 1 MB/s samples still reads the link as it is now
+    longer = observe(_records(), _profile(), partition, window=10)
+    assert longer.iterations[0] == 2 and longer.link_bandwidth_Bps["0-1"] == 4e6
 
 
 def test_observe_refuses_what_it_cannot_build() -> None:
