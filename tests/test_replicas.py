@@ -45,6 +45,8 @@ from adaptipe.sim.replicas import (
     replicated_one_f_one_b,
     replicated_throughput,
 )
+from tests.conftest import final_state
+from tests.test_recipe_runtime import _plain_clipped
 
 # ---------------------------------------------------------------- layout and streams
 
@@ -137,13 +139,6 @@ def test_validation_refuses_what_does_not_replicate() -> None:
 # ---------------------------------------------------------------- numerics
 
 
-def _final_params(run_dir: str) -> dict[str, torch.Tensor]:
-    found = ckpt.latest(Path(run_dir) / "checkpoints")
-    assert found is not None
-    tensors, _ = ckpt.load(found)
-    return {k: v for k, v in tensors.items() if k.startswith("layers.")}
-
-
 def _reference(cfg: RunConfig) -> tuple[dict[str, torch.Tensor], list[float]]:
     spec = get_model(cfg.model.name, **cfg.model.config)
     plans = resolve_plans(cfg)
@@ -202,7 +197,7 @@ def test_replicated_stages_match_single_process(
     assert summary.iterations == 3
     run = RunDir(summary.run_dir)
     want, losses = _reference(cfg)
-    _assert_close(_final_params(summary.run_dir), want)
+    _assert_close(final_state(summary.run_dir, layers=True), want)
     # One merged record per iteration, with the loss of every micro-batch (a replicated
     # last stage all-reduces them), and the checkpoint in the unreplicated format.
     metrics = run.read_metrics()
@@ -219,26 +214,6 @@ def test_replicated_stages_match_single_process(
     assert extra == want_extra
 
 
-def _plain_clipped(cfg: RunConfig) -> dict[str, torch.Tensor]:
-    """One process, the whole batch, clipped by torch (SGD with the config's momentum)."""
-    spec = cfg.model.spec()
-    model = spec.build_all(seed=cfg.train.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum)
-    batches = spec.dataset(split="train").batches(cfg.data.batch_size, seed=cfg.data.seed or 0)
-    m = cfg.data.microbatches
-    for _, (x, y) in zip(range(cfg.train.iterations or 0), batches, strict=False):
-        for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-            (spec.loss(model(xs), ys) / m).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad_norm)
-        opt.step()
-        opt.zero_grad()
-    return {
-        f"layers.{i}.{n}": p.detach()
-        for i, layer in enumerate(model)
-        for n, p in layer.named_parameters()
-    }
-
-
 def test_clipping_by_the_global_norm_counts_each_replicated_stage_once(
     make_config: Callable[..., RunConfig],
 ) -> None:
@@ -246,7 +221,7 @@ def test_clipping_by_the_global_norm_counts_each_replicated_stage_once(
         pipeline={"stages": 2, "schedule": "1f1b", "replicas": [2, 1]},
         optimizer={"clip_grad_norm": 0.05, "schedule": "constant", "warmup": 0},
     )
-    got = _final_params(train(cfg).run_dir)
+    got = final_state(train(cfg).run_dir, layers=True)
     _assert_close(got, _plain_clipped(cfg))
 
 
@@ -264,7 +239,7 @@ def test_replicated_stages_with_recompute_or_batched_weight_grads_match(
         optimizer={"name": "adam", "lr": 0.01, "momentum": 0.0},
     )
     summary = train(cfg)
-    _assert_close(_final_params(summary.run_dir), _reference(cfg)[0])
+    _assert_close(final_state(summary.run_dir, layers=True), _reference(cfg)[0])
 
 
 @pytest.mark.slow
@@ -275,7 +250,7 @@ def test_a_replicated_run_resumes_from_its_checkpoint(
         make_config, "1f1b", [1, 2], 4, train={"iterations": 4, "checkpoint_every": 2}
     )
     whole = train(cfg)
-    want = _final_params(whole.run_dir)
+    want = final_state(whole.run_dir, layers=True)
     run = Path(whole.run_dir)
     # Keep the checkpoint of iteration 2 only, and go on from there.
     for found in (run / "checkpoints").iterdir():
@@ -285,7 +260,7 @@ def test_a_replicated_run_resumes_from_its_checkpoint(
             shutil.rmtree(found)
     resumed = train(cfg, run_dir=run, resume=True)
     assert resumed.iterations == 2
-    _assert_close(_final_params(resumed.run_dir), want)
+    _assert_close(final_state(resumed.run_dir, layers=True), want)
 
 
 def test_a_plan_files_replicas_reach_the_run(
