@@ -191,7 +191,7 @@ def test_a_deferred_step_is_applied_with_the_whole_model_norm_when_its_job_comes
     clip = JobClip([1.0], 2, exchange)  # type: ignore[arg-type]
     applied: list[float | None] = []
     released: list[int] = []
-    clip.step(0, [(0, layer)], applied.append, lambda: released.append(0))
+    clip.step(0, [(0, list(layer.parameters()))], applied.append, lambda: released.append(0))
     assert applied == [] and released == [0]  # deferred: the state may go meanwhile
     assert exchange.sent[0][3].tolist() == [6.0, 0.0]
     clip.complete(0)
@@ -199,5 +199,5 @@ def test_a_deferred_step_is_applied_with_the_whole_model_norm_when_its_job_comes
     clip.end_window()
     assert clip.epoch == 1
     clip.plan(_two_stage([[OptimizerStep(0)], [OptimizerStep(0)]], jobs=1), at_step=True)
-    clip.step(0, [(0, layer)], applied.append, lambda: released.append(1))
+    clip.step(0, [(0, list(layer.parameters()))], applied.append, lambda: released.append(1))
     assert len(applied) == 2 and released == [0]  # at its step: applied at once

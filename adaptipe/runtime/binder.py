@@ -145,9 +145,9 @@ class Binder:
         holder = _ParamHolder(self.states[job][index].params)
         return holder, self.states[job][index].optimizer
 
-    def holders(self, job: int) -> list[tuple[int, nn.Module]]:
-        """``(index, module)`` holding job ``job``'s parameters, per layer in order."""
-        return [(index, self.state(job, index)[0]) for index in self.layers]
+    def job_params(self, job: int) -> list[tuple[int, list[nn.Parameter]]]:
+        """Job ``job``'s parameters per layer, in layer order (each in registration order)."""
+        return [(index, list(self.states[job][index].params.values())) for index in self.layers]
 
 
 class _ParamHolder(nn.Module):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from adaptipe.errors import ScheduleError
 from adaptipe.schedule.types import (
@@ -44,7 +44,7 @@ from adaptipe.schedule.types import (
 )
 from adaptipe.schedule.walk import walk
 
-from .recipe import clip_coefficient, global_norm, layer_sq_norm
+from .recipe import clip_coefficient, global_norm, params_sq_norm
 
 __all__ = ["JobClip", "NormExchange", "check_waits", "job_clip", "plan_waits"]
 
@@ -133,12 +133,12 @@ class JobClip:
     def step(
         self,
         job: int,
-        layers: Sequence[tuple[int, nn.Module]],
+        layers: Sequence[tuple[int, Sequence[Tensor]]],
         apply: Callable[[float | None], None],
         release: Callable[[], None] | None = None,
     ) -> None:
         """At ``job``'s optimizer step: send the squared norms of this stage's
-        ``layers`` (index, module); ``apply(coef)`` the step, its gradients scaled by
+        ``layers`` (index, parameters in registration order); ``apply(coef)`` the step, its gradients scaled by
         ``coef`` (None: as they are), now or later (`plan`). A step applied later calls
         ``release`` now (the memory manager may offload the job's state meanwhile)."""
         if not self.max_norms[job]:
@@ -148,8 +148,8 @@ class JobClip:
         k = self._steps.get(job, 0)
         self._steps[job] = k + 1
         local = torch.zeros(self.num_layers, dtype=torch.float64)
-        for index, module in layers:
-            local[index] = layer_sq_norm(module)
+        for index, params in layers:
+            local[index] = params_sq_norm(params)
         self.exchange.send(self.epoch, job, k, local)
         self._pending[job] = _Pending(k, local, apply)
         if (job, k) in self._here:

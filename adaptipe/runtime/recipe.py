@@ -38,7 +38,9 @@ __all__ = [
     "global_clip",
     "global_norm",
     "layer_sq_norm",
+    "params_sq_norm",
     "scale_gradients",
+    "scale_params",
 ]
 
 Schedule = Literal["constant", "cosine", "step"]
@@ -127,8 +129,13 @@ def attach_schedule(
 def layer_sq_norm(layer: nn.Module) -> float:
     """The squared norm of ``layer``'s gradients in float64 (parameters without a
     gradient count 0), summed in registration order."""
+    return params_sq_norm(layer.parameters())
+
+
+def params_sq_norm(params: Iterable[Tensor]) -> float:
+    """`layer_sq_norm` of parameters given in their layer's registration order."""
     total = 0.0
-    for p in layer.parameters():
+    for p in params:
         if p.grad is not None:
             total += float(torch.sum(p.grad.detach().double() ** 2))
     return total
@@ -151,11 +158,15 @@ def clip_coefficient(norm: float, max_norm: float, *, eps: float = 1e-6) -> floa
 
 
 def scale_gradients(layers: Iterable[nn.Module], coef: float) -> None:
+    scale_params((p for layer in layers for p in layer.parameters()), coef)
+
+
+def scale_params(params: Iterable[Tensor], coef: float) -> None:
+    """Multiply every gradient of ``params`` by ``coef`` in place."""
     with torch.no_grad():
-        for layer in layers:
-            for p in layer.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
 
 class GlobalClip:

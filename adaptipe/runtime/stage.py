@@ -34,7 +34,7 @@ from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.jobclip import JobClip
 from adaptipe.runtime.memory import MemoryManager
 from adaptipe.runtime.program_needs import plan_receives, versions_needed_after
-from adaptipe.runtime.recipe import scale_gradients
+from adaptipe.runtime.recipe import scale_params
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.trace import TraceRecorder
 from adaptipe.runtime.transport import ACTIVATION, GRADIENT, TensorSpec, TransferKey, Transport
@@ -413,7 +413,7 @@ class StageExecutor:
             else:
                 release = None if self.memory is None else partial(self.memory.after_step, ins.job)
                 apply = partial(self._job_step, ins.job)
-                self.job_clip.step(ins.job, self.binder.holders(ins.job), apply, release)
+                self.job_clip.step(ins.job, self.binder.job_params(ins.job), apply, release)
             return self._done("step", ins.job, -1, -1, t0)
         if self.batch_weight_grads:
             self._flush_weight_grads()
@@ -426,7 +426,7 @@ class StageExecutor:
         if self.memory is not None:
             self.memory.ensure_resident(job)  # a clipped step applied later (`jobclip`)
         if coef is not None:
-            scale_gradients((m for _, m in self.binder.holders(job)), coef)
+            scale_params((p for _, ps in self.binder.job_params(job) for p in ps), coef)
         self.binder.step(job)
         if self.memory is not None:
             self.memory.after_step(job)
