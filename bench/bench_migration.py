@@ -26,6 +26,10 @@ switched):
   a 95% bootstrap interval (migrations resampled);
 - *worst stall*: the largest span in decision..switch less the quiet median.
 
+``streamed`` and ``unprioritised`` do the streaming work in threads of the stage
+processes; ``courier`` and ``courier_unprioritised`` in each worker's helper process
+(``[adapt] streamer = "process"``, `adaptipe.runtime.courier`).
+
 The A/A control trains without migrations and is measured at the streamed run's
 decision and switch iterations: its slowdown is the noise floor (about 1). Restart runs
 ``--restart-migrations`` moves (each stops and starts the workers). Prints one JSON object.
@@ -33,7 +37,8 @@ DynPipe reports 9.8-35.1 iterations from decision to new partition with asynchro
 checkpoints and 5 s against 70 s for a restart (seed 004).
 
     python bench/bench_migration.py [--models gpt,gpt-50mb] [--migrations 10]
-        [--every 8] [--device cpu|cuda] [--variants streamed,unprioritised,stop_and_copy,restart,control]
+        [--every 8] [--device cpu|cuda]
+        [--variants streamed,unprioritised,courier,courier_unprioritised,stop_and_copy,restart,control]
 """
 
 from __future__ import annotations
@@ -62,9 +67,12 @@ MODELS: dict[str, dict[str, Any]] = {
         "data": {"batch_size": 8, "microbatches": 4},
     },
 }
+_STREAMED = {"method": "live", "transfer": "streamed"}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "streamed": {"method": "live", "transfer": "streamed", "prioritise": True},
-    "unprioritised": {"method": "live", "transfer": "streamed", "prioritise": False},
+    "streamed": {**_STREAMED, "prioritise": True, "streamer": "thread"},
+    "unprioritised": {**_STREAMED, "prioritise": False, "streamer": "thread"},
+    "courier": {**_STREAMED, "prioritise": True, "streamer": "process"},
+    "courier_unprioritised": {**_STREAMED, "prioritise": False, "streamer": "process"},
     "stop_and_copy": {"method": "live", "transfer": "stop_and_copy"},
     "restart": {"method": "restart"},
     "control": {},
@@ -311,7 +319,7 @@ def measure(
         else:
             found = _migrations(run_dir, scripted)
             summary = _summarise(run_dir, found, _spans(run_dir))
-            if variant == "streamed":
+            if streamed_moves is None and variant in ("streamed", "courier"):
                 streamed_moves = found
         out[variant] = summary
     return out
@@ -352,7 +360,7 @@ def main() -> None:
         "--bed", default="", help="also run between two namespace hosts at this rate (500mbit)"
     )
     parser.add_argument(
-        "--variants", default="streamed,unprioritised,stop_and_copy,restart,control"
+        "--variants", default="streamed,unprioritised,courier,stop_and_copy,restart,control"
     )
     args = parser.parse_args()
     variants = args.variants.split(",")

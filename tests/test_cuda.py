@@ -218,3 +218,35 @@ def test_a_warned_gpu_stage_offloads_a_job_state_and_every_job_ends_as_without(
         got = _job_params(str(tmp_path / "mem"), job.index)
         assert all(torch.isfinite(v).all() for v in want.values())
         _assert_close(got, want)
+
+
+@pytest.mark.parametrize("streamer", ["process", "thread"])
+def test_a_streamed_move_on_gpu_stages_ends_bitwise_as_without(
+    make_config: Callable[..., RunConfig], tmp_path: Path, streamer: str
+) -> None:
+    """``auto`` streams through each worker's helper process on a GPU stage: the
+    gradient log crosses pinned and shared memory, the receiver's helper replays it on
+    the GPU, and the run ends bit for bit as the run that moved nothing (same device,
+    same kernels)."""
+    from tests.test_streamed_migration import CASES, _config
+
+    case = CASES["1f1b-2-adam"]
+
+    def on_gpu(cfg: RunConfig) -> RunConfig:
+        data = cfg.to_dict()
+        data["train"]["device"] = "cuda"
+        return RunConfig.from_dict(data, source="test.toml")
+
+    train(on_gpu(_config(make_config, case, tmp_path / "still", moves=False)))
+    moved = tmp_path / "moved"
+    adapt = {} if streamer == "process" else {"streamer": streamer}  # auto: process
+    train(on_gpu(_config(make_config, case, moved, moves=True, adapt=adapt)))
+    lines = (moved / "control.jsonl").read_text().splitlines()
+    said = [e for e in map(json.loads, lines) if e.get("event") == "migration"]
+    assert [(e["ok"], e["transfer"], e["streamer"]) for e in said] == [
+        (True, "streamed", streamer)
+    ] * 2
+    got, want = final_state(moved), final_state(tmp_path / "still")
+    assert got.keys() == want.keys() and want
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

@@ -65,23 +65,27 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
     return final_state(run_dir, ITERATIONS)
 
 
+@pytest.mark.parametrize("streamer", ["thread", "process"])
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.slow] if "gpipe" in n else []) for n in CASES]
 )
 def test_streamed_migrations_end_bitwise_equal_to_no_migration(
-    make_config: Callable[..., RunConfig], tmp_path: Path, name: str
+    make_config: Callable[..., RunConfig], tmp_path: Path, name: str, streamer: str
 ) -> None:
+    """In threads of the stage or in each worker's helper process (`streamer`)."""
     case = CASES[name]
     stages = case["pipeline"]["stages"]
     train(_config(make_config, case, tmp_path / "still", moves=False))
     moved = tmp_path / "moved"
-    train(_config(make_config, case, moved, moves=True))
+    train(_config(make_config, case, moved, moves=True, adapt={"streamer": streamer}))
     starts = _events(moved, "stream_start", stages)
     assert [[e["iteration"] for e in s] for s in starts] == [[3, 12]] * stages
     migrations = _events(moved, "migration", stages)
     switched = [e["iteration"] for e in migrations[0]]
     for s in migrations:
-        assert [(e["ok"], e["transfer"]) for e in s] == [(True, "streamed")] * 2
+        assert [(e["ok"], e["transfer"], e["streamer"]) for e in s] == [
+            (True, "streamed", streamer)
+        ] * 2
         assert [e["iteration"] for e in s] == switched  # every worker at one boundary
         assert all(e["streamed_iterations"] >= 1 for e in s)
     # the switch comes after the decision, and that is where the version is recorded
@@ -103,11 +107,15 @@ def test_streamed_migrations_end_bitwise_equal_to_no_migration(
 
 
 @pytest.mark.parametrize(
-    "fault",
+    ("fault", "streamer"),
     [
-        "corrupt:0",
-        pytest.param("raise:0", marks=pytest.mark.slow),
-        pytest.param("open:1", marks=pytest.mark.slow),
+        ("corrupt:0", "thread"),
+        pytest.param("raise:0", "thread", marks=pytest.mark.slow),
+        pytest.param("open:1", "thread", marks=pytest.mark.slow),
+        pytest.param("corrupt:0", "process", marks=pytest.mark.slow),
+        pytest.param("raise:0", "process", marks=pytest.mark.slow),
+        pytest.param("open:1", "process", marks=pytest.mark.slow),
+        ("die:0", "process"),
     ],
 )
 def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
@@ -115,21 +123,27 @@ def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     fault: str,
+    streamer: str,
 ) -> None:
+    """``die``: the sender's helper process exits mid-move; the next move starts a
+    fresh helper (which dies the same way)."""
     case = dict(CASES["1f1b-2-adam"], moves=[(3, [0, 2, 6]), (12, [0, 1, 6])])  # 0 sends
     train(_config(make_config, case, tmp_path / "still", moves=False))
     tried = tmp_path / "tried"
     monkeypatch.setenv(MIGRATION_FAULT_ENV, fault)
-    train(_config(make_config, case, tried, moves=True))
+    train(_config(make_config, case, tried, moves=True, adapt={"streamer": streamer}))
     migrations = _events(tried, "migration", 2)
-    assert [[e["ok"] for e in s] for s in migrations] == [[False, False]] * 2
     causes = " ".join(e["cause"] for s in migrations for e in s)
     expected = {
         "corrupt": "checksum",
         "raise": "injected before sending",
         "open": "could not open the state channel",
+        "die": "streaming helper",
     }
     assert expected[fault[:-2]] in causes
+    first = [s[0] for s in migrations]
+    assert [(e["ok"], e["streamer"]) for e in first] == [(False, streamer)] * 2
+    assert all(not e["ok"] for s in migrations for e in s)
     assert _events(tried, "plan", 2) == [[], []]  # the partition never changed
     _assert_bitwise(_final(tried), _final(tmp_path / "still"))
 

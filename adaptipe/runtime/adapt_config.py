@@ -16,6 +16,10 @@
                              # cost model's crossover, `adaptipe.sim.migration`)
     prioritise = true        # streamed state yields to activations and gradients
     chunk_bytes = 262144     # streamed state travels in chunks of this size
+    streamer = "auto"        # who does a streamed move's work: thread (threads of the
+                             # stage process), process (the worker's helper process,
+                             # `adaptipe.runtime.courier`: off the stage's GIL), auto
+                             # (process where the stage computes on a GPU)
 
     controller = "threshold" # none (default) | threshold | always_best | straggler | stale
                              # | ppo (the shipped learned switch policy): the manager
@@ -54,10 +58,19 @@ from typing import Any
 from adaptipe.errors import PlanError
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str
 
-__all__ = ["CONTROLLERS", "METHODS", "TRANSFERS", "AdaptSection", "Repartition", "parse_adapt"]
+__all__ = [
+    "CONTROLLERS",
+    "METHODS",
+    "STREAMERS",
+    "TRANSFERS",
+    "AdaptSection",
+    "Repartition",
+    "parse_adapt",
+]
 
 METHODS = ("live", "checkpoint", "restart")
 TRANSFERS = ("auto", "stop_and_copy", "streamed")
+STREAMERS = ("auto", "thread", "process")
 CONTROLLERS = ("none", "threshold", "always_best", "straggler", "stale", "ppo")
 # [adapt] integer fields of the controller loop: name -> (default, minimum)
 _INTS = {
@@ -85,6 +98,7 @@ class AdaptSection:
     transfer: str = "auto"
     prioritise: bool = True
     chunk_bytes: int = 256 << 10
+    streamer: str = "auto"
     repartition: tuple[Repartition, ...] = field(default_factory=tuple)
     controller: str = "none"
     check_every: int = 4
@@ -106,6 +120,7 @@ class AdaptSection:
             "transfer": self.transfer,
             "prioritise": self.prioritise,
             "chunk_bytes": self.chunk_bytes,
+            "streamer": self.streamer,
             "controller": self.controller,
             **{name: getattr(self, name) for name in _INTS},
             "margin": self.margin,
@@ -131,6 +146,7 @@ def parse_adapt(
         "transfer",
         "prioritise",
         "chunk_bytes",
+        "streamer",
         "repartition",
         "controller",
         *_INTS,
@@ -158,6 +174,9 @@ def parse_adapt(
     chunk = get_int(
         raw, "chunk_bytes", source=source, prefix="[adapt].", minimum=4096, default=256 << 10
     )
+    streamer = get_str(
+        raw, "streamer", source=source, prefix="[adapt].", choices=STREAMERS, default="auto"
+    )
     entries = get_list(raw, "repartition", source=source, prefix="[adapt].", default=[])
     out: list[Repartition] = []
     for n, entry in enumerate(entries):
@@ -172,6 +191,7 @@ def parse_adapt(
         transfer=transfer,
         prioritise=prioritise,
         chunk_bytes=chunk,
+        streamer=streamer,
         repartition=tuple(out),
         **_controller_fields(raw, source),
     )

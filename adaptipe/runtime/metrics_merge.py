@@ -60,6 +60,7 @@ class MetricsFollower:
                     "seconds": max(float(e.get("seconds", 0.0)) for e in events),
                     "causes": sorted({e["cause"] for e in events if e.get("cause")}),
                     "transfer": events[0].get("transfer", "stop_and_copy"),
+                    "streamer": events[0].get("streamer", ""),
                     "streamed_iterations": max(
                         int(e.get("streamed_iterations", 0)) for e in events
                     ),

@@ -51,7 +51,8 @@ MIGRATION_FAULT_ENV = "ADAPTIPE_INJECT_MIGRATION_FAULT"
 for tests): ``raise`` (the sender fails before sending), ``corrupt`` (a payload byte is
 flipped after its digest is taken), ``late`` (the payload leaves only after the receiver's
 timeout), ``refuse`` (the receiver fails while it reads a payload); streamed moves also
-take ``open`` (the worker's end of the state channel fails to open)."""
+take ``open`` (the worker's end of the state channel fails to open) and ``die`` (the
+worker's streaming helper process exits in the middle of a move)."""
 
 _TAG = 0x40000000  # above the transport's tags at these sizes
 _MOVES = 64  # tags per migration (two per move)
@@ -86,10 +87,12 @@ class MigrationReport:
     log_bytes: int = 0
     chunks: int = 0
     yielded_s: float = 0.0
+    streamer: str = ""  # streamed only: "thread" or "process" (the worker's helper)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "transfer": self.transfer,
+            "streamer": self.streamer,
             "streamed_iterations": self.streamed_iterations,
             "streamed_s": self.streamed_s,
             "log_bytes": self.log_bytes,
@@ -173,12 +176,12 @@ def _fault() -> tuple[str, int] | None:
     kind, _, rank = value.partition(":")
     if not value:
         return None
-    if kind not in ("raise", "corrupt", "late", "refuse", "open") or not rank.isdigit():
+    if kind not in ("raise", "corrupt", "late", "refuse", "open", "die") or not rank.isdigit():
         raise ValueError(
             f"{MIGRATION_FAULT_ENV}={value!r} must be KIND:RANK with KIND one of raise, "
-            "corrupt, late, refuse, open (e.g. corrupt:0)"
+            "corrupt, late, refuse, open, die (e.g. corrupt:0)"
         )
-    return (kind, int(rank)) if kind != "open" else None  # open: streamed moves only
+    return (kind, int(rank)) if kind not in ("open", "die") else None  # streamed moves only
 
 
 def _exchange(

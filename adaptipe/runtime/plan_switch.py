@@ -7,6 +7,10 @@ training goes on on the partition in force, and the version is recorded (and rep
 by a resumed run) where the switch happened. Whether a move streams is one answer on
 every worker: the config's ``[adapt] transfer``, and for ``"auto"`` the minimum of every
 sender's vote on the crossover rule (`vote`).
+
+A streamed move's work runs in threads of the stage process or, with ``[adapt] streamer``
+``"process"`` (``"auto"``: on GPU stages), in the worker's helper process
+(`adaptipe.runtime.courier_move`), started with the worker so that no move waits for it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from torch import Tensor
 
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.courier import Courier
+from adaptipe.runtime.courier_move import CourierMove
 from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.migration import Move, plan_moves
@@ -46,11 +52,18 @@ class PlanSwitch:
     stage: Stage
     transport: P2PTransport
     start: int  # the first boundary of this process (a fresh start or a resume)
-    streaming: StreamedMove | None = None  # a streamed migration in flight
+    streaming: StreamedMove | CourierMove | None = None  # a streamed migration in flight
     last: IterationStats | None = None  # the last window's measurements
     last_rounds: int = 1
     sent_Bps: float = 0.0  # what this stage sent per second over the last window
+    courier: Courier | None = None  # the worker's streaming helper ([adapt] streamer)
     _sent: int = 0
+
+    def __post_init__(self) -> None:
+        if self._through_helper():
+            self.courier = self._courier()
+            if self.config.adapt.repartition:  # scripted moves: the first may come soon
+                self.courier.ready.wait(self.config.adapt.timeout_s)
 
     def note(self, stats: IterationStats, rounds: int) -> None:
         """The window that just ran (what a vote on the crossover rule reads)."""
@@ -83,7 +96,7 @@ class PlanSwitch:
             self.follower.take(proposed, it)
         return proposed
 
-    def take_streaming(self) -> StreamedMove | None:
+    def take_streaming(self) -> StreamedMove | CourierMove | None:
         """The streamed move whose version is being adopted now (None: stop-and-copy)."""
         streaming, self.streaming = self.streaming, None
         return streaming
@@ -92,6 +105,22 @@ class PlanSwitch:
         if self.streaming is not None:
             self.streaming.close(wait=True)
             self.streaming = None
+        if self.courier is not None:
+            self.courier.close()
+            self.courier = None
+
+    def _through_helper(self) -> bool:
+        """Whether streamed moves run in a helper process (`adaptipe.runtime.courier`)."""
+        adapt = self.config.adapt
+        if adapt.method != "live" or adapt.transfer == "stop_and_copy" or self.config.sweep:
+            return False
+        if adapt.streamer == "auto":
+            return self.stage.device.type == "cuda"
+        return adapt.streamer == "process"
+
+    def _courier(self) -> Courier:
+        idle = self.config.adapt.prioritise and self.stage.device.type == "cuda"
+        return Courier(idle=idle, threads=torch.get_num_threads())
 
     def _streams(
         self, plan: PlanVersion, it: int, partition: Partition, schedule: Schedule
@@ -124,23 +153,31 @@ class PlanSwitch:
             dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.follower.group)
         return int(box.item()) == 1
 
-    def _start(self, plan: PlanVersion, partition: Partition, schedule: Schedule) -> StreamedMove:
+    def _start(
+        self, plan: PlanVersion, partition: Partition, schedule: Schedule
+    ) -> StreamedMove | CourierMove:
         assert plan.partition is not None
         adapt = self.config.adapt
-        return StreamedMove(
-            self.stage,
-            plan_moves(partition, plan.partition, schedule),
-            version=plan.version,
-            settings=StreamSettings(
-                chunk_bytes=adapt.chunk_bytes,
-                prioritise=adapt.prioritise,
-                timeout_s=adapt.timeout_s,
-                idle_cpu=self.stage.device.type == "cuda",  # a CPU stage's core never idles
-            ),
-            busy=self.transport.sending,
-            group=self.follower.group,
-            device=self.follower.device,
+        moves = plan_moves(partition, plan.partition, schedule)
+        settings = StreamSettings(
+            chunk_bytes=adapt.chunk_bytes,
+            prioritise=adapt.prioritise,
+            timeout_s=adapt.timeout_s,
+            idle_cpu=self.stage.device.type == "cuda",  # a CPU stage's core never idles
         )
+        where = {"group": self.follower.group, "device": self.follower.device}
+        if self.courier is None:
+            return StreamedMove(
+                self.stage, moves, version=plan.version, settings=settings,
+                busy=self.transport.sending, **where,
+            )  # fmt: skip
+        if not self.courier.alive:  # it died in an earlier move: a fresh one (the move waits)
+            self.courier.close()
+            self.courier = self._courier()
+        return CourierMove(
+            self.stage, moves, version=plan.version, settings=settings,
+            busy=self.transport.sending, courier=self.courier, **where,
+        )  # fmt: skip
 
 
 def vote(

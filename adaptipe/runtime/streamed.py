@@ -69,9 +69,9 @@ from adaptipe.runtime.statestream import (
 __all__ = ["FAILED", "READY", "WAIT", "StreamSettings", "StreamedMove"]
 
 READY, WAIT, FAILED = 1, 0, -1
-_PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
+PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
 _ADDRESS_BYTES = 192
-_BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stays bounded)
+BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stays bounded)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,8 +103,8 @@ class StreamedMove:
         group: Any = None,
         device: torch.device | None = None,
     ) -> None:
-        if len(moves) > _PER_STEP:
-            raise ValueError(f"{len(moves)} moves in one migration (at most {_PER_STEP})")
+        if len(moves) > PER_STEP:
+            raise ValueError(f"{len(moves)} moves in one migration (at most {PER_STEP})")
         rank = stage.rank
         self.stage, self.moves, self.version, self.settings = stage, list(moves), version, settings
         self.group, self.device = group, device if device is not None else torch.device("cpu")
@@ -113,7 +113,7 @@ class StreamedMove:
         self.base_step = stage.steps_done
         self.boundaries = 0  # boundaries passed while streaming
         self.started = time.monotonic()
-        self._fault = _fault(rank)
+        self._fault = stream_fault(rank)
         self._error = ""
         self._status = WAIT
         self._copies: dict[int, LayerSlot] = {}
@@ -126,12 +126,12 @@ class StreamedMove:
         self._receiver: StateReceiver | None = None
         self._senders: dict[int, StateSender] = {}
         self._threads: list[threading.Thread] = []
-        keys: _Keys | None = None
+        keys: StreamKeys | None = None
         try:  # this worker's end; a failure is agreed on below, never a hang
             if self._fault == "open":
                 raise OSError("migration fault injected while opening the state channel")
-            host = _local_host()
-            keys = _Keys.generate() if not ipaddress.ip_address(host).is_loopback else None
+            host = local_host()
+            keys = StreamKeys.generate() if not ipaddress.ip_address(host).is_loopback else None
             if self.incoming:
                 curve = keys.server() if keys else None
                 self._receiver = StateReceiver(f"tcp://{host}:*", curve=curve)
@@ -153,7 +153,7 @@ class StreamedMove:
                     busy=busy,
                     prioritise=settings.prioritise,
                     idle_cpu=settings.idle_cpu,
-                    curve=_Keys.client_of(public) if public else None,
+                    curve=StreamKeys.client_of(public) if public else None,
                 )
         self._threads = [
             threading.Thread(target=self._send_loop, name="migration-send", daemon=True),
@@ -189,7 +189,7 @@ class StreamedMove:
         FAILED at): the receivers replay their last step, all agree, then the layers change
         owner. Returns this worker's report; when not ok nothing changed."""
         t0 = time.perf_counter()
-        report = MigrationReport(ok=False, moves=self.moves, transfer="streamed")
+        report = MigrationReport(ok=False, moves=self.moves, transfer="streamed", streamer="thread")
         mine = READY if self._status == READY else FAILED
         if mine == READY:
             done = self.stage.steps_done - self.base_step
@@ -235,9 +235,9 @@ class StreamedMove:
         (copies: an optimizer may change them in place) and buffers."""
         held = {slot.index: slot for slot in slots}
         n = step - self.base_step + 1
-        if self._outbox.qsize() > _BACKLOG * len(self.outgoing):  # the link cannot keep up
+        if self._outbox.qsize() > BACKLOG * len(self.outgoing):  # the link cannot keep up
             self._error = self._error or (
-                f"the gradient log fell {_BACKLOG} steps behind the link; the move needs "
+                f"the gradient log fell {BACKLOG} steps behind the link; the move needs "
                 "stop-and-copy ([adapt] transfer)"
             )
             self.stage.tap_steps(None)
@@ -249,9 +249,9 @@ class StreamedMove:
                 for name, p in module.named_parameters():
                     if p.grad is not None:
                         tensors[f"{i}/grad/{name}"] = p.grad.detach().to("cpu", copy=True)
-                for name, b in _state_buffers(module):
+                for name, b in state_buffers(module):
                     tensors[f"{i}/buffer/{name}"] = b.detach().to("cpu", copy=True)
-            self._outbox.put((n * _PER_STEP + k, move.dst, functools.partial(_save, tensors)))
+            self._outbox.put((n * PER_STEP + k, move.dst, functools.partial(_save, tensors)))
 
     def _send_loop(self) -> None:
         try:
@@ -278,7 +278,7 @@ class StreamedMove:
             self._sent["bytes"] += sent.bytes
             self._sent["chunks"] += sent.chunks
             self._sent["yielded_s"] += sent.yielded_s
-            if stream >= _PER_STEP:
+            if stream >= PER_STEP:
                 self._sent["log_bytes"] += sent.bytes
 
     # ------------------------------------------------------------------ receiving
@@ -305,7 +305,7 @@ class StreamedMove:
                     if self._stop.is_set():
                         return
                     try:
-                        data = receiver.receive(n * _PER_STEP + k, digest=None, timeout_s=0.05)
+                        data = receiver.receive(n * PER_STEP + k, digest=None, timeout_s=0.05)
                         break
                     except StreamTimeout:
                         continue
@@ -335,33 +335,12 @@ class StreamedMove:
 
     # ------------------------------------------------------------------ collectives
     def _agree(self, mine: int) -> int:
-        box = torch.tensor([mine], dtype=torch.int64, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
-        return int(box.item())
+        return agree(mine, group=self.group, device=self.device)
 
     def _exchange(
-        self, address: str, keys: _Keys | None, *, failed: bool
+        self, address: str, keys: StreamKeys | None, *, failed: bool
     ) -> dict[int, tuple[str, str, bool]]:
-        """Every worker's receiving address, server key and whether its end failed."""
-        mine = json.dumps(
-            {"a": address, "k": keys.server_public if keys else "", "f": failed}
-        ).encode()
-        if len(mine) > _ADDRESS_BYTES:
-            raise ValueError(f"state channel address too long: {address!r}")
-        box = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8, device=self.device)
-        box[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            boxes = [torch.empty_like(box) for _ in range(dist.get_world_size(self.group))]
-            dist.all_gather(boxes, box, group=self.group)
-        else:
-            boxes = [box]
-        out = {}
-        for rank, got in enumerate(boxes):
-            raw = bytes(got.cpu().tolist()).rstrip(b"\0")
-            entry = json.loads(raw)
-            out[rank] = (str(entry["a"]), str(entry["k"]), bool(entry["f"]))
-        return out
+        return exchange(address, keys, failed=failed, group=self.group, device=self.device)
 
     def _close_sockets(self) -> None:
         """Close the channel's ends when no thread took them over."""
@@ -371,6 +350,35 @@ class StreamedMove:
             self._receiver.close()
         self._senders.clear()
         self._receiver = None
+
+
+def agree(mine: int, *, group: Any, device: torch.device) -> int:
+    """The minimum of every worker's ``mine`` (READY, WAIT, FAILED) on ``group``."""
+    box = torch.tensor([mine], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
+    return int(box.item())
+
+
+def exchange(
+    address: str, keys: StreamKeys | None, *, failed: bool, group: Any, device: torch.device
+) -> dict[int, tuple[str, str, bool]]:
+    """Every worker's receiving address, server key and whether its end failed."""
+    mine = json.dumps({"a": address, "k": keys.server_public if keys else "", "f": failed}).encode()
+    if len(mine) > _ADDRESS_BYTES:
+        raise ValueError(f"state channel address too long: {address!r}")
+    box = torch.zeros(_ADDRESS_BYTES, dtype=torch.uint8, device=device)
+    box[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        boxes = [torch.empty_like(box) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(boxes, box, group=group)
+    else:
+        boxes = [box]
+    out = {}
+    for rank, got in enumerate(boxes):
+        entry = json.loads(bytes(got.cpu().tolist()).rstrip(b"\0"))
+        out[rank] = (str(entry["a"]), str(entry["k"]), bool(entry["f"]))
+    return out
 
 
 def _save(tensors: dict[str, Tensor]) -> bytes:
@@ -394,24 +402,25 @@ def _replay(
             slot.optimizer.step()
             slot.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            for name, b in _state_buffers(slot.module):
+            for name, b in state_buffers(slot.module):
                 b.copy_(logged[f"{i}/buffer/{name}"])
 
 
-def _state_buffers(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+def state_buffers(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
     """The buffers a layer's state holds (running statistics; not constant masks)."""
     kept = module.state_dict(keep_vars=True)
     return [(name, b) for name, b in module.named_buffers() if name in kept]
 
 
-def _fault(rank: int) -> str | None:
+def stream_fault(rank: int) -> str | None:
     """``ADAPTIPE_INJECT_MIGRATION_FAULT`` for this worker's end of a streamed move:
-    ``raise`` or ``corrupt`` (sending), ``open`` (opening the channel)."""
+    ``raise`` or ``corrupt`` (sending), ``open`` (opening the channel), ``die`` (its
+    streaming helper exits mid-move; moves through a helper only)."""
     kind, _, target = os.environ.get(MIGRATION_FAULT_ENV, "").partition(":")
     return kind if target.isdigit() and int(target) == rank else None
 
 
-def _local_host() -> str:
+def local_host() -> str:
     """This worker's address towards the others: the one it reaches the rendezvous
     host from (loopback when that is loopback)."""
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -426,7 +435,7 @@ def _local_host() -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Keys:
+class StreamKeys:
     """One migration's CURVE keys off loopback: each receiver is a server with a fresh
     key pair; senders connect with a fresh client pair of their own (the channel is
     encrypted and the receiver authenticated, like the process group beside it, which
@@ -436,7 +445,7 @@ class _Keys:
     server_secret: str
 
     @classmethod
-    def generate(cls) -> _Keys:
+    def generate(cls) -> StreamKeys:
         import zmq
 
         public, secret = zmq.curve_keypair()

@@ -1,0 +1,169 @@
+"""A receiving helper's copy of moving layers (`adaptipe.runtime.courier_main`): built
+from the base snapshot, stepped with each logged step's gradients by the optimizer the
+stage builds, written back for the stage to adopt. The same tensors and the same
+optimizer steps as the stage's own update: the copy follows the sender bit for bit."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import Tensor
+
+from adaptipe.runtime.config_sections import OptimizerSection
+from adaptipe.runtime.courier import layout
+
+__all__ = ["Copy", "optimizer_section", "save_copy", "warm"]
+
+
+class Copy:
+    """Parameters, buffers and optimizer state of ``layers`` on ``device``."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, Tensor],
+        layers: Sequence[int],
+        entries: list[list[Any]],
+        optimizer: Mapping[str, Any],
+        device: str,
+    ) -> None:
+        self.device = torch.device(device)
+        self.layers, self.entries = list(layers), entries
+        self.slot_bytes, self.groups = layout(entries)
+        self.state = {k: v.to(self.device) for k, v in tensors.items() if k.startswith("layers.")}
+        self.params: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        self.buffers: dict[int, list[str]] = {}
+        self.optimizers: dict[int, torch.optim.Optimizer | None] = {}
+        section = optimizer_section(optimizer)
+        for i in self.layers:
+            names = [e[0].split("/", 2)[2] for e in entries if e[0].startswith(f"{i}/grad/")]
+            self.buffers[i] = [
+                e[0].split("/", 2)[2] for e in entries if e[0].startswith(f"{i}/buffer/")
+            ]
+            params = []
+            for name in names:
+                p = torch.nn.Parameter(self.state[f"layers.{i}.{name}"])
+                self.state[f"layers.{i}.{name}"] = p
+                params.append((name, p))
+            self.params[i] = params
+            opt = section.build([p for _, p in params]) if params else None
+            self.optimizers[i] = opt
+            if opt is not None:
+                _load_optimizer(i, dict(params), opt, tensors)
+
+    @classmethod
+    def from_base(
+        cls,
+        body: bytes,
+        layers: Sequence[int],
+        optimizer: Mapping[str, Any],
+        device: str,
+    ) -> Copy:
+        from adaptipe.runtime.courier_main import header
+
+        meta = json.loads(header(body)["__metadata__"]["adaptipe_stream"])
+        if list(meta["layers"]) != list(layers):
+            raise ValueError(f"the base holds layers {meta['layers']}, not {list(layers)}")
+        return cls(safetensors.torch.load(body), layers, meta["log"], optimizer, device)
+
+    def replay(self, body: bytes) -> None:
+        """One optimizer step with a logged step's gradients, then its buffers."""
+        if len(body) != self.slot_bytes:
+            raise ValueError(f"a logged step of {len(body)} bytes, not {self.slot_bytes}")
+        raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        logged: dict[str, Tensor | None] = {}
+        for group in self.groups:
+            size = torch.empty((), dtype=group.dtype).element_size()
+            flat = raw[group.offset : group.offset + group.numel * size].view(group.dtype)
+            at = 0
+            for m in group.members:
+                key, _, shape = self.entries[m]
+                n = _numel(shape)
+                present = bool(raw[m])
+                logged[key] = flat[at : at + n].view(shape) if present else None
+                at += n
+        for i in self.layers:
+            for name, p in self.params[i]:
+                grad = logged[f"{i}/grad/{name}"]
+                p.grad = grad.to(self.device) if grad is not None else None
+            opt = self.optimizers[i]
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for name in self.buffers[i]:
+                    buf = logged[f"{i}/buffer/{name}"]
+                    assert buf is not None
+                    self.state[f"layers.{i}.{name}"].copy_(buf)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The copy's state under `adaptipe.runtime.checkpoint.layer_state`'s keys."""
+        out = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.state.items()}
+        for i in self.layers:
+            opt = self.optimizers[i]
+            if opt is None:
+                continue
+            for name, p in self.params[i]:
+                for key, value in opt.state.get(p, {}).items():
+                    if value is None:
+                        continue
+                    if not isinstance(value, Tensor):
+                        dtype = torch.float64 if isinstance(value, float) else None
+                        value = torch.tensor(value, dtype=dtype)
+                    out[f"optim.{i}.{name}.{key}"] = (
+                        value.detach().to("cpu", copy=True).contiguous()
+                    )
+        return out
+
+
+def optimizer_section(fields: Mapping[str, Any]) -> OptimizerSection:
+    """The stage's ``[optimizer]`` from its JSON form (`dataclasses.asdict`)."""
+    values = dict(fields)
+    values["betas"] = tuple(values["betas"])
+    return OptimizerSection(**values)
+
+
+def warm() -> None:
+    """Import what a first optimizer step imports lazily (torch._dynamo: seconds)."""
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.zeros(1)
+    opt.step()
+
+
+def save_copy(copy: Copy, path: str) -> None:
+    safetensors.torch.save_file(copy.tensors(), path)
+
+
+def _load_optimizer(
+    index: int,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    tensors: Mapping[str, Tensor],
+) -> None:
+    """As `adaptipe.runtime.checkpoint.load_layer_state` loads an optimizer's state."""
+    states: dict[str, dict[str, Tensor]] = {name: {} for name in params}
+    prefix = f"optim.{index}."
+    for key, value in tensors.items():
+        if key.startswith(prefix):
+            name, _, state_key = key[len(prefix) :].rpartition(".")
+            states[name][state_key] = value
+    for name, param in params.items():
+        optimizer.state[param] = {k: _to_param(k, v, param) for k, v in states[name].items()}
+
+
+def _to_param(key: str, value: Tensor, param: Tensor) -> Tensor:
+    if key == "step":
+        return value.clone()
+    dtype = param.dtype if value.is_floating_point() and param.is_floating_point() else None
+    return value.to(device=param.device, dtype=dtype, copy=True)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
