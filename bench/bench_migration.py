@@ -119,10 +119,13 @@ def _migrations(run_dir: Path, scripted: Sequence[int]) -> list[dict[str, Any]]:
     """Per migration: decision and switch iterations, bytes and the manager's seconds."""
     said = [e for e in _lines(run_dir / "control.jsonl") if e.get("event") == "migration"]
     out = []
-    for decided, event in zip(scripted, said, strict=False):
+    for event in said:  # a move that never switched (superseded) logs no migration
+        earlier = [it for it in scripted if it <= event["iteration"]]
+        if not earlier:
+            continue
         out.append(
             {
-                "decided": decided,
+                "decided": earlier[-1],
                 "switched": event["iteration"],
                 "ok": event["ok"],
                 "transfer": event.get("transfer", "stop_and_copy"),
@@ -277,6 +280,8 @@ def _summarise(
             if "target_iterations" in m
         ),
         "migrations": moves,
+        # every iteration's span (ms), for a second look at where the time went
+        "spans_ms": [round(spans[i] * 1000, 1) for i in sorted(spans)],
     }
 
 
@@ -319,6 +324,7 @@ def measure(
         else:
             found = _migrations(run_dir, scripted)
             summary = _summarise(run_dir, found, _spans(run_dir))
+            summary["scripted"], summary["switched"] = len(scripted), len(found)
             if streamed_moves is None and variant in ("streamed", "courier"):
                 streamed_moves = found
         out[variant] = summary

@@ -224,10 +224,10 @@ def test_a_warned_gpu_stage_offloads_a_job_state_and_every_job_ends_as_without(
 def test_a_streamed_move_on_gpu_stages_ends_bitwise_as_without(
     make_config: Callable[..., RunConfig], tmp_path: Path, streamer: str
 ) -> None:
-    """``auto`` streams through each worker's helper process on a GPU stage: the
-    gradient log crosses pinned and shared memory, the receiver's helper replays it on
-    the GPU, and the run ends bit for bit as the run that moved nothing (same device,
-    same kernels)."""
+    """Through each worker's helper process, the gradient log crosses pinned and shared
+    memory and the receiver's helper replays it on the GPU; in threads, the stage
+    replays it itself. Either way the run ends bit for bit as the run that moved
+    nothing (same device, same kernels)."""
     from tests.test_streamed_migration import CASES, _config
 
     case = CASES["1f1b-2-adam"]
@@ -239,8 +239,7 @@ def test_a_streamed_move_on_gpu_stages_ends_bitwise_as_without(
 
     train(on_gpu(_config(make_config, case, tmp_path / "still", moves=False)))
     moved = tmp_path / "moved"
-    adapt = {} if streamer == "process" else {"streamer": streamer}  # auto: process
-    train(on_gpu(_config(make_config, case, moved, moves=True, adapt=adapt)))
+    train(on_gpu(_config(make_config, case, moved, moves=True, adapt={"streamer": streamer})))
     lines = (moved / "control.jsonl").read_text().splitlines()
     said = [e for e in map(json.loads, lines) if e.get("event") == "migration"]
     assert [(e["ok"], e["transfer"], e["streamer"]) for e in said] == [

@@ -189,6 +189,7 @@ def test_bad_transfer_settings_name_the_field(make_config: Callable[..., RunConf
         ({"transfer": "rsync"}, "[adapt].transfer"),
         ({"prioritise": "yes"}, "[adapt].prioritise"),
         ({"chunk_bytes": 10}, "[adapt].chunk_bytes"),
+        ({"streamer": "fork"}, "[adapt].streamer"),
     ):
         with pytest.raises(
             PlanError, match=r"test\.toml.*" + words.replace("[", r"\[").replace(".", r"\.")

@@ -19,7 +19,7 @@
     streamer = "auto"        # who does a streamed move's work: thread (threads of the
                              # stage process), process (the worker's helper process,
                              # `adaptipe.runtime.courier`: off the stage's GIL), auto
-                             # (process where the stage computes on a GPU)
+                             # (thread, until process is measured cheaper somewhere)
 
     controller = "threshold" # none (default) | threshold | always_best | straggler | stale
                              # | ppo (the shipped learned switch policy): the manager

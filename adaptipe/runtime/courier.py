@@ -59,7 +59,7 @@ class Courier:
     handler `attach` gave for its move (``{"kind": "died", ...}`` to the current one if
     the helper goes away, and `alive` turns false)."""
 
-    def __init__(self, *, idle: bool, threads: int) -> None:
+    def __init__(self, *, low: bool, threads: int, device: str = "cpu") -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(
@@ -77,7 +77,7 @@ class Courier:
         self._handler: Handler = lambda msg: None
         self._closed = False
         self._dead = False
-        self.send({"kind": "hello", "idle": idle, "threads": threads})
+        self.send({"kind": "hello", "low": low, "threads": threads, "device": device})
         self._reader = threading.Thread(target=self._read, name="courier-read", daemon=True)
         self._reader.start()
 

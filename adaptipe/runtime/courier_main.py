@@ -30,6 +30,7 @@ from typing import Any
 from adaptipe.runtime.statestream import StateReceiver, StateSender, StreamTimeout
 
 _PER_STEP = 64  # as adaptipe.runtime.streamed
+_NICE = 10  # a low-priority helper's niceness
 
 
 class _Move:
@@ -110,7 +111,7 @@ class _Move:
             chunk_bytes=self.chunk_bytes,
             busy=(lambda: busy[0] != 0) if busy is not None else (lambda: False),
             prioritise=self.prioritise,
-            idle_cpu=False,  # the whole helper already runs at idle priority where it may
+            idle_cpu=False,  # the whole helper already runs below the stages where it may
             curve=curve,
         )
 
@@ -222,7 +223,7 @@ class _Helper:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self._lock = threading.Lock()
-        self.threads = 1
+        self.threads, self.device = 1, "cpu"
         self.move: _Move | None = None
 
     def tell(self, msg: dict[str, Any]) -> None:
@@ -252,9 +253,9 @@ class _Helper:
 
     def _on(self, kind: str, msg: dict[str, Any]) -> None:
         if kind == "hello":
-            if msg["idle"] and hasattr(os, "SCHED_IDLE"):  # before any thread starts
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            self.threads = int(msg["threads"])
+            if msg["low"]:  # below the stages, never starved (SCHED_IDLE was, measured)
+                os.nice(_NICE)
+            self.threads, self.device = int(msg["threads"]), str(msg["device"])
             self.spawn(self._warm, "warm")
         elif kind == "bind":
             if self.move is not None:
@@ -275,7 +276,7 @@ class _Helper:
         from adaptipe.runtime.replay import warm
 
         torch.set_num_threads(self.threads)
-        warm()
+        warm(self.device)
         self.tell({"kind": "ready"})
 
 

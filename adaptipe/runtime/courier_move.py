@@ -15,7 +15,7 @@ behind), with the work that held the stage's GIL there moved into the worker's
 What stays on the stage: one copy of each step's gradients into the ring, and at the
 switch one load of the moved layers' state. The helper yields to the stage's sends
 through a shared flag a pacing thread keeps (``prioritise``), marks its packets TOS
-0x08 and, on a GPU stage, runs at ``SCHED_IDLE``.
+0x08 and, on a GPU stage, runs at a lower CPU priority (nice 10).
 
 The move begins (base, channel) at the first boundary where every worker's helper is
 ready; a helper that is not yet started makes the move wait, never training.
@@ -159,20 +159,18 @@ class CourierMove:
                           "device": str(stage.device),
                           "bases": {k: str(p) for k, p in self._bases.items()}})  # fmt: skip
         held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
-        for k, move in self.outgoing:  # the base copy: a snapshot now, sent by the helper
-            modules = [held[i].module for i in move.layers]
-            entries = log_entries(move.layers, modules)
+        bases = []
+        for k, move in self.outgoing:  # the base copy: a snapshot now (copies), written
+            modules = [held[i].module for i in move.layers]  # to shared memory off the
+            entries = log_entries(move.layers, modules)  # stage's thread, sent by the helper
             path = shm_path("base")
             self._files.append(path)
-            metadata = {
-                "adaptipe_stream": json.dumps({"layers": list(move.layers), "log": entries})
-            }
-            safetensors.torch.save_file(stage.tensors(move.layers), str(path), metadata=metadata)
-            courier.send({"kind": "send", "move": self.version, "k": k, "stream": k,
-                          "dst": move.dst, "path": str(path), "log": False})  # fmt: skip
+            bases.append((k, move, path, stage.tensors(move.layers), entries))
             ring = LogRing(entries, BACKLOG, stage.device)
             self._files.append(ring.path)
             self._rings[k] = ring
+        if bases:
+            self._thread(lambda: self._write_bases(bases), "migration-base")
         if any(ring.cuda for ring in self._rings.values()):
             self._thread(self._publish_loop, "migration-publish")
         if self.outgoing:
@@ -197,6 +195,19 @@ class CourierMove:
             peer, public, _ = peers[dst]
             self._courier.send({"kind": "connect", "move": self.version, "dst": dst,
                                 "address": peer, "curve": public})  # fmt: skip
+
+    def _write_bases(
+        self, bases: list[tuple[int, Move, Path, dict[str, torch.Tensor], Any]]
+    ) -> None:
+        try:
+            for k, move, path, snapshot, entries in bases:
+                meta = {"layers": list(move.layers), "log": entries}
+                metadata = {"adaptipe_stream": json.dumps(meta)}
+                safetensors.torch.save_file(snapshot, str(path), metadata=metadata)
+                self._courier.send({"kind": "send", "move": self.version, "k": k, "stream": k,
+                                    "dst": move.dst, "path": str(path), "log": False})  # fmt: skip
+        except Exception as exc:
+            self._fail(f"the base copy could not be written: {type(exc).__name__}: {exc}")
 
     def _thread(self, target: Callable[[], None], name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)

@@ -8,9 +8,11 @@ by a resumed run) where the switch happened. Whether a move streams is one answe
 every worker: the config's ``[adapt] transfer``, and for ``"auto"`` the minimum of every
 sender's vote on the crossover rule (`vote`).
 
-A streamed move's work runs in threads of the stage process or, with ``[adapt] streamer``
-``"process"`` (``"auto"``: on GPU stages), in the worker's helper process
-(`adaptipe.runtime.courier_move`), started with the worker so that no move waits for it.
+A streamed move's work runs in threads of the stage process or, with ``[adapt] streamer
+= "process"``, in the worker's helper process (`adaptipe.runtime.courier_move`), started
+with the worker so that no move waits for it. ``"auto"`` is threads for now: on the
+H100 a helper that replays on the GPU adds a CUDA context beside the stage's, and it
+did not stream cheaper there (docs/benchmarks.md, session 17).
 """
 
 from __future__ import annotations
@@ -114,13 +116,11 @@ class PlanSwitch:
         adapt = self.config.adapt
         if adapt.method != "live" or adapt.transfer == "stop_and_copy" or self.config.sweep:
             return False
-        if adapt.streamer == "auto":
-            return self.stage.device.type == "cuda"
-        return adapt.streamer == "process"
+        return adapt.streamer == "process"  # auto: threads (see the module doc)
 
     def _courier(self) -> Courier:
-        idle = self.config.adapt.prioritise and self.stage.device.type == "cuda"
-        return Courier(idle=idle, threads=torch.get_num_threads())
+        low = self.config.adapt.prioritise and self.stage.device.type == "cuda"
+        return Courier(low=low, threads=torch.get_num_threads(), device=str(self.stage.device))
 
     def _streams(
         self, plan: PlanVersion, it: int, partition: Partition, schedule: Schedule

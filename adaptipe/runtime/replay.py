@@ -126,12 +126,20 @@ def optimizer_section(fields: Mapping[str, Any]) -> OptimizerSection:
     return OptimizerSection(**values)
 
 
-def warm() -> None:
-    """Import what a first optimizer step imports lazily (torch._dynamo: seconds)."""
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=0.1)
-    p.grad = torch.zeros(1)
-    opt.step()
+def warm(device: str) -> None:
+    """Import what a first optimizer step imports lazily (torch._dynamo: seconds) and,
+    for a GPU stage, create the CUDA context and load the optimizers' kernels (seconds
+    more): a move must not wait for either."""
+    where = torch.device(device)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    for kind in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        p = torch.nn.Parameter(torch.zeros(4, device=where))
+        opt = kind([p], lr=0.1, foreach=False)
+        p.grad = torch.ones(4, device=where)
+        opt.step()
+    if where.type == "cuda":
+        torch.cuda.synchronize(where)
 
 
 def save_copy(copy: Copy, path: str) -> None:
