@@ -26,11 +26,12 @@ from typing import Any
 
 __all__ = ["DEMO_CONTROLLER", "DemoResult", "Phase", "adaptive_demo", "phase_table"]
 
-DEMO_CONTROLLER = "threshold"
-# Not "ppo", though a 2-stage policy is shipped: in this demo it moved between cuts 4 and
-# 5 at every check from iteration 2 on (9 moves; threshold: 1, after the onset), and
-# after the slowdown it reached 1.38x of its static run against threshold's 1.65x
-# (loaded machine, docs/benchmarks.md).
+DEMO_CONTROLLER = "ppo"
+# The shipped learned chain (forest, candidates, predictor, the 2-stage policy), gated by
+# [adapt].margin since session 15. Session 17, quiet machine, two demo runs each: ppo
+# decided at 35 and moved at 37 (cut 3 -> 5, one move) and reached 1.72x and 1.81x of
+# its static run after the move; threshold reached 1.64x (cut 3 -> 4). Before the gate
+# it moved 9 times from iteration 2 on (docs/benchmarks.md).
 _LRS = (3e-4, 6e-4, 1e-3, 1.5e-3)
 
 

@@ -115,7 +115,7 @@ def test_streamed_migrations_end_bitwise_equal_to_no_migration(
         pytest.param("corrupt:0", "process", marks=pytest.mark.slow),
         pytest.param("raise:0", "process", marks=pytest.mark.slow),
         pytest.param("open:1", "process", marks=pytest.mark.slow),
-        ("die:0", "process"),
+        pytest.param("die:0", "process", marks=pytest.mark.slow),
     ],
 )
 def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
