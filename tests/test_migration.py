@@ -154,7 +154,7 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
-@pytest.mark.parametrize("lose_control", [False, True])
+@pytest.mark.parametrize("lose_control", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_run_killed_between_two_migrations_resumes_bitwise(
     make_config: Callable[..., RunConfig],
     tmp_path: Path,
@@ -207,7 +207,9 @@ def test_a_move_where_a_checkpoint_is_due_resumes_from_that_checkpoint_bitwise(
     _assert_bitwise(_final(moved), _final(tmp_path / "still"))
 
 
-@pytest.mark.parametrize("fault", ["corrupt:0", "raise:0", "late:0", "refuse:1"])
+@pytest.mark.parametrize(
+    "fault", ["corrupt:0", "raise:0", pytest.param("late:0", marks=pytest.mark.slow), "refuse:1"]
+)
 def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
     make_config: Callable[..., RunConfig],
     tmp_path: Path,
