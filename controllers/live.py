@@ -43,7 +43,7 @@ from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.serial import load_json_file
 
-__all__ = ["LiveDecider", "decider", "from_settings"]
+__all__ = ["LiveDecider", "blocks_per_iteration", "decider", "from_settings"]
 
 
 def from_settings(
@@ -212,8 +212,22 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,
         sizes=layer_sizes(cfg) if profile is None else None,
-        microbatches=cfg.data.microbatches,
+        microbatches=blocks_per_iteration(cfg, profile),
     )
+
+
+def blocks_per_iteration(cfg: RunConfig, profile: Profile | None) -> int:
+    """How many micro-batch-sized blocks each layer runs an iteration: what the measured
+    per-layer sums are divided by to compare with the profile. ``[data].microbatches``
+    for one job; for a job-array every job's batch (its block) over the micro-batch the
+    profile timed: 4 jobs of 16 samples profiled at 16 make 4 (dividing by
+    ``[data].microbatches``, 1 there, read every slowdown about 4x). Counted over all
+    the sweep's jobs: once some stop, slowdowns read lower by their share."""
+    if cfg.sweep is None:
+        return cfg.data.microbatches
+    block = profile.microbatch if profile is not None else cfg.data.microbatch_size
+    samples = sum(job.batch_size for job in cfg.sweep.jobs)
+    return max(1, round(samples / max(block, 1)))
 
 
 def layer_sizes(cfg: RunConfig) -> list[LayerProfile] | None:

@@ -69,3 +69,23 @@ def test_controller_moves_in_a_job_array_equal_the_same_moves_scripted_and_each_
             torch.testing.assert_close(
                 got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{job.name} {name}"
             )
+
+
+def test_a_job_array_decider_divides_each_layer_by_its_blocks_not_the_data_microbatches(
+    make_config: Callable[..., RunConfig], tmp_path: Path
+) -> None:
+    """One block per job a round: a 4-job array of 16-sample jobs, profiled at 16, runs
+    each layer 4 times an iteration (it divided by ``[data].microbatches``, 1, and every
+    slowdown read about 4x); one job keeps ``[data].microbatches``."""
+    from adaptipe.controllers.live import blocks_per_iteration
+
+    single = make_config(data={"microbatches": 4, "batch_size": 64})
+    assert blocks_per_iteration(single, None) == 4
+    data = make_config(data={"microbatches": 1, "batch_size": 16}).to_dict()
+    data["sweep"] = {"grid": {"lr": [0.01, 0.02, 0.03, 0.04]}}
+    array = RunConfig.from_dict(data, source="test.toml")
+    assert array.sweep is not None and len(array.sweep.jobs) == 4
+    assert blocks_per_iteration(array, None) == 4
+    data["sweep"] = {"grid": {"lr": [0.01, 0.02], "batch_size": [16, 32]}}  # 96 samples
+    mixed = RunConfig.from_dict(data, source="test.toml")
+    assert blocks_per_iteration(mixed, None) == 6
