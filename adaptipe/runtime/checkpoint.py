@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ __all__ = [
     "load",
     "load_compatible",
     "load_layer_state",
+    "load_optimizer_state",
+    "optimizer_state",
     "prune",
     "save_stage",
 ]
@@ -76,9 +78,17 @@ def layer_state(
     pickle; the returned tensors are contiguous CPU copies, safe to write while training on.
     """
     out = {f"layers.{index}.{name}": _cpu(t) for name, t in module.state_dict().items()}
-    if optimizer is None:
-        return out
-    for name, param in module.named_parameters():
+    if optimizer is not None:
+        out.update(optimizer_state(index, module.named_parameters(), optimizer))
+    return out
+
+
+def optimizer_state(
+    index: int, params: Iterable[tuple[str, Tensor]], optimizer: torch.optim.Optimizer
+) -> dict[str, Tensor]:
+    """The optimizer state of layer `index`'s named ``params``, as `layer_state` keys it."""
+    out: dict[str, Tensor] = {}
+    for name, param in params:
         for key, value in optimizer.state.get(param, {}).items():
             if value is None:
                 continue
@@ -115,9 +125,19 @@ def load_layer_state(
     for name, target in expected.items():
         _check_shape(prefix + name, tuple(target.shape), found[name])
     module.load_state_dict(found, strict=True)
-    if optimizer is None:
-        return
-    params = dict(module.named_parameters())
+    if optimizer is not None:
+        load_optimizer_state(index, dict(module.named_parameters()), optimizer, tensors, where)
+
+
+def load_optimizer_state(
+    index: int,
+    params: Mapping[str, Tensor],
+    optimizer: torch.optim.Optimizer,
+    tensors: Mapping[str, Tensor],
+    where: str,
+) -> None:
+    """Restore what `optimizer_state` saved for layer `index`'s named ``params`` (copies,
+    placed as torch's loader would); ``where`` names the layer in errors."""
     owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     states: dict[str, dict[str, Tensor]] = {name: {} for name in params}
     oprefix = f"optim.{index}."

@@ -51,6 +51,7 @@ from adaptipe.runtime.streamed import (
     StreamSettings,
     agree,
     exchange,
+    finish_report,
     local_host,
     state_buffers,
     stream_fault,
@@ -254,15 +255,10 @@ class CourierMove:
             report.ok = True
         else:
             report.cause = self._error or "another worker's side failed"
-        report.bytes_sent, report.bytes_received = int(self._sent["bytes"]), self._received
-        report.layers = [[slot.index for slot in chunk] for chunk in self.stage.chunks]
-        report.seconds = time.perf_counter() - t0
-        report.streamed_iterations = self.boundaries
-        report.streamed_s = time.monotonic() - self.started
-        report.log_bytes = int(self._sent["log_bytes"])
-        report.chunks = int(self._sent["chunks"])
-        report.yielded_s = self._sent["yielded_s"]
-        return report
+        return finish_report(
+            report, self.stage, self._sent, self._received, t0=t0,
+            boundaries=self.boundaries, started=self.started,
+        )  # fmt: skip
 
     def _adopt(self, done: int) -> None:
         """Wait for the copies to replay ``done`` steps, then load their state into the

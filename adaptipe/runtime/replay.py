@@ -13,6 +13,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from adaptipe.runtime import checkpoint as ckpt
 from adaptipe.runtime.config_sections import OptimizerSection
 from adaptipe.runtime.courier import layout
 
@@ -52,7 +53,7 @@ class Copy:
             opt = section.build([p for _, p in params]) if params else None
             self.optimizers[i] = opt
             if opt is not None:
-                _load_optimizer(i, dict(params), opt, tensors)
+                ckpt.load_optimizer_state(i, dict(params), opt, tensors, f"layer {i}")
 
     @classmethod
     def from_base(
@@ -104,18 +105,8 @@ class Copy:
         out = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.state.items()}
         for i in self.layers:
             opt = self.optimizers[i]
-            if opt is None:
-                continue
-            for name, p in self.params[i]:
-                for key, value in opt.state.get(p, {}).items():
-                    if value is None:
-                        continue
-                    if not isinstance(value, Tensor):
-                        dtype = torch.float64 if isinstance(value, float) else None
-                        value = torch.tensor(value, dtype=dtype)
-                    out[f"optim.{i}.{name}.{key}"] = (
-                        value.detach().to("cpu", copy=True).contiguous()
-                    )
+            if opt is not None:
+                out.update(ckpt.optimizer_state(i, self.params[i], opt))
         return out
 
 
@@ -144,30 +135,6 @@ def warm(device: str) -> None:
 
 def save_copy(copy: Copy, path: str) -> None:
     safetensors.torch.save_file(copy.tensors(), path)
-
-
-def _load_optimizer(
-    index: int,
-    params: dict[str, torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    tensors: Mapping[str, Tensor],
-) -> None:
-    """As `adaptipe.runtime.checkpoint.load_layer_state` loads an optimizer's state."""
-    states: dict[str, dict[str, Tensor]] = {name: {} for name in params}
-    prefix = f"optim.{index}."
-    for key, value in tensors.items():
-        if key.startswith(prefix):
-            name, _, state_key = key[len(prefix) :].rpartition(".")
-            states[name][state_key] = value
-    for name, param in params.items():
-        optimizer.state[param] = {k: _to_param(k, v, param) for k, v in states[name].items()}
-
-
-def _to_param(key: str, value: Tensor, param: Tensor) -> Tensor:
-    if key == "step":
-        return value.clone()
-    dtype = param.dtype if value.is_floating_point() and param.is_floating_point() else None
-    return value.to(device=param.device, dtype=dtype, copy=True)
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -209,15 +209,10 @@ class StreamedMove:
             report.ok = True
         else:
             report.cause = self._error or "another worker's side failed"
-        report.bytes_sent, report.bytes_received = int(self._sent["bytes"]), self._received
-        report.layers = [[slot.index for slot in chunk] for chunk in self.stage.chunks]
-        report.seconds = time.perf_counter() - t0
-        report.streamed_iterations = self.boundaries
-        report.streamed_s = time.monotonic() - self.started
-        report.log_bytes = int(self._sent["log_bytes"])
-        report.chunks = int(self._sent["chunks"])
-        report.yielded_s = self._sent["yielded_s"]
-        return report
+        return finish_report(
+            report, self.stage, self._sent, self._received, t0=t0,
+            boundaries=self.boundaries, started=self.started,
+        )  # fmt: skip
 
     def close(self, *, wait: bool = False) -> None:
         """Stop streaming (after the switch, or when the move is dropped). The threads
@@ -350,6 +345,29 @@ class StreamedMove:
             self._receiver.close()
         self._senders.clear()
         self._receiver = None
+
+
+def finish_report(
+    report: MigrationReport,
+    stage: Stage,
+    sent: Mapping[str, float],
+    received: int,
+    *,
+    t0: float,
+    boundaries: int,
+    started: float,
+) -> MigrationReport:
+    """Fill a streamed move's ``report`` at its switch (begun at ``t0``, perf counter):
+    bytes, the layers held now, the stall, and how long and how much it streamed."""
+    report.bytes_sent, report.bytes_received = int(sent["bytes"]), received
+    report.layers = [[slot.index for slot in chunk] for chunk in stage.chunks]
+    report.seconds = time.perf_counter() - t0
+    report.streamed_iterations = boundaries
+    report.streamed_s = time.monotonic() - started
+    report.log_bytes = int(sent["log_bytes"])
+    report.chunks = int(sent["chunks"])
+    report.yielded_s = sent["yielded_s"]
+    return report
 
 
 def agree(mine: int, *, group: Any, device: torch.device) -> int:
