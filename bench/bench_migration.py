@@ -27,18 +27,21 @@ switched):
 - *worst stall*: the largest span in decision..switch less the quiet median.
 
 ``streamed`` and ``unprioritised`` do the streaming work in threads of the stage
-processes; ``courier`` and ``courier_unprioritised`` in each worker's helper process
+processes (``streamed`` paces the base copy over ``[adapt] pace_iterations``, 3;
+``unpaced`` is ``streamed`` with 0, as fast as the stage's sends let it); ``courier`` and ``courier_unprioritised`` in each worker's helper process
 (``[adapt] streamer = "process"``, `adaptipe.runtime.courier`).
 
-The A/A control trains without migrations and is measured at the streamed run's
-decision and switch iterations: its slowdown is the noise floor (about 1). Restart runs
+The A/A control commits the same plan versions at the same iterations, each to the
+partition in force (a migration that sends nothing), and is measured at the streamed
+run's decision and switch iterations: its slowdown is the noise floor (about 1). Restart runs
 ``--restart-migrations`` moves (each stops and starts the workers). Prints one JSON object.
 DynPipe reports 9.8-35.1 iterations from decision to new partition with asynchronous
 checkpoints and 5 s against 70 s for a restart (seed 004).
 
     python bench/bench_migration.py [--models gpt,gpt-50mb] [--migrations 10]
         [--every 8] [--device cpu|cuda]
-        [--variants streamed,unprioritised,courier,courier_unprioritised,stop_and_copy,restart,control]
+        [--variants streamed,unpaced,unprioritised,courier,courier_unprioritised,
+                    stop_and_copy,restart,control]
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ MODELS: dict[str, dict[str, Any]] = {
 _STREAMED = {"method": "live", "transfer": "streamed"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "streamed": {**_STREAMED, "prioritise": True, "streamer": "thread"},
+    "unpaced": {**_STREAMED, "prioritise": True, "streamer": "thread", "pace_iterations": 0},
+    "pace4": {**_STREAMED, "prioritise": True, "streamer": "thread", "pace_iterations": 4},
     "unprioritised": {**_STREAMED, "prioritise": False, "streamer": "thread"},
     "courier": {**_STREAMED, "prioritise": True, "streamer": "process"},
     "courier_unprioritised": {**_STREAMED, "prioritise": False, "streamer": "process"},
@@ -88,8 +93,9 @@ def _config(
         {"iteration": WARMUP + every * (k + 1), "bounds": BOUNDS[(k + 1) % 2]} for k in range(moves)
     ]
     adapt = dict(VARIANTS[variant], timeout_s=120.0)
-    if variant != "control":
-        adapt["repartition"] = scripted
+    if variant == "control":  # A/A: the same versions committed, to the same partition
+        scripted = [dict(entry, bounds=BOUNDS[0]) for entry in scripted]
+    adapt["repartition"] = scripted
     return RunConfig.from_dict(
         {
             **MODELS[model],

@@ -9,6 +9,7 @@ import hashlib
 import os
 import threading
 import time
+import zlib
 
 import pytest
 import zmq
@@ -56,11 +57,11 @@ def test_a_corrupted_chunk_or_a_missing_one_fails_the_stream() -> None:
     push.connect(receiver.address)
     try:
         good = b"x" * 10
-        header = _HEADER.pack(1, 0, 2, 20, hashlib.sha256(good).digest())
+        header = _HEADER.pack(1, 0, 2, 20, zlib.crc32(good))
         push.send_multipart([header, b"y" * 10])  # not the bytes its digest says
         with pytest.raises(StreamError, match="chunk 0 of 2 fails its checksum"):
             receiver.receive(1, digest=b"\0" * 32, timeout_s=5)
-        push.send_multipart([_HEADER.pack(2, 0, 2, 20, hashlib.sha256(good).digest()), good])
+        push.send_multipart([_HEADER.pack(2, 0, 2, 20, zlib.crc32(good)), good])
         with pytest.raises(StreamError, match=r"stream 2: 1 of 2 chunks in 0.3 s"):
             receiver.receive(2, digest=b"\0" * 32, timeout_s=0.3)
     finally:
@@ -97,6 +98,22 @@ def test_the_sender_waits_while_the_stage_sends_and_not_when_told_not_to() -> No
     finally:
         sender.close()
         plain.close()
+        receiver.close()
+
+
+def test_a_paced_payload_takes_its_bytes_over_the_pace_and_arrives_whole() -> None:
+    receiver = StateReceiver()
+    sender = StateSender(receiver.address, chunk_bytes=8 << 10)
+    try:
+        payload = _payload(64 << 10)
+        report = sender.send(1, payload, pace_Bps=256 << 10)  # 8 chunks at 256 KiB/s
+        # the last chunk leaves no earlier than 7 chunks' worth of the pace after the first
+        assert report.seconds >= 7 * (8 << 10) / (256 << 10) * 0.95
+        assert report.paced_s > 0.1 and report.chunks == 8
+        assert receiver.receive(1, digest=hashlib.sha256(payload).digest(), timeout_s=5) == payload
+        assert sender.send(2, payload).paced_s == 0.0  # unpaced
+    finally:
+        sender.close()
         receiver.close()
 
 

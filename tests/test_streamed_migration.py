@@ -19,6 +19,7 @@ from adaptipe.runtime.launch import StageFailed, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV
 from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.rundir import RunDir
+from adaptipe.runtime.streamed import base_pace
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
 from tests.test_migration import _assert_bitwise, _events
@@ -190,8 +191,15 @@ def test_bad_transfer_settings_name_the_field(make_config: Callable[..., RunConf
         ({"prioritise": "yes"}, "[adapt].prioritise"),
         ({"chunk_bytes": 10}, "[adapt].chunk_bytes"),
         ({"streamer": "fork"}, "[adapt].streamer"),
+        ({"pace_iterations": -1}, "[adapt].pace_iterations"),
     ):
         with pytest.raises(
             PlanError, match=r"test\.toml.*" + words.replace("[", r"\[").replace(".", r"\.")
         ):
             RunConfig.from_dict({**data, "adapt": adapt}, source="test.toml")
+
+
+def test_the_base_pace_spreads_the_state_over_the_iterations_asked() -> None:
+    assert base_pace(6_000_000, 0.1, 3) == pytest.approx(20_000_000)  # 2 MB an iteration
+    assert base_pace(6_000_000, 0.1, 0) == 0.0  # unpaced when asked
+    assert base_pace(6_000_000, 0.0, 3) == 0.0  # and before an iteration was measured

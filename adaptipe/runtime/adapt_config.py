@@ -16,6 +16,8 @@
                              # cost model's crossover, `adaptipe.sim.migration`)
     prioritise = true        # streamed state yields to activations and gradients
     chunk_bytes = 262144     # streamed state travels in chunks of this size
+    pace_iterations = 3      # a streamed move's base copy is paced to take about this
+                             # many iterations (0: as fast as the stage's sends let it)
     streamer = "auto"        # who does a streamed move's work: thread (threads of the
                              # stage process), process (the worker's helper process,
                              # `adaptipe.runtime.courier`: off the stage's GIL), auto
@@ -98,6 +100,7 @@ class AdaptSection:
     transfer: str = "auto"
     prioritise: bool = True
     chunk_bytes: int = 256 << 10
+    pace_iterations: int = 3
     streamer: str = "auto"
     repartition: tuple[Repartition, ...] = field(default_factory=tuple)
     controller: str = "none"
@@ -120,6 +123,7 @@ class AdaptSection:
             "transfer": self.transfer,
             "prioritise": self.prioritise,
             "chunk_bytes": self.chunk_bytes,
+            "pace_iterations": self.pace_iterations,
             "streamer": self.streamer,
             "controller": self.controller,
             **{name: getattr(self, name) for name in _INTS},
@@ -146,6 +150,7 @@ def parse_adapt(
         "transfer",
         "prioritise",
         "chunk_bytes",
+        "pace_iterations",
         "streamer",
         "repartition",
         "controller",
@@ -174,6 +179,7 @@ def parse_adapt(
     chunk = get_int(
         raw, "chunk_bytes", source=source, prefix="[adapt].", minimum=4096, default=256 << 10
     )
+    pace = get_int(raw, "pace_iterations", source=source, prefix="[adapt].", minimum=0, default=3)
     streamer = get_str(
         raw, "streamer", source=source, prefix="[adapt].", choices=STREAMERS, default="auto"
     )
@@ -191,6 +197,7 @@ def parse_adapt(
         transfer=transfer,
         prioritise=prioritise,
         chunk_bytes=chunk,
+        pace_iterations=pace,
         streamer=streamer,
         repartition=tuple(out),
         **_controller_fields(raw, source),

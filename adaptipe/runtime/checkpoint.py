@@ -70,21 +70,29 @@ def _cpu(t: Tensor) -> Tensor:
 
 
 def layer_state(
-    index: int, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    index: int, module: nn.Module, optimizer: torch.optim.Optimizer | None, *, copy: bool = True
 ) -> dict[str, Tensor]:
     """Layer `index`'s tensors (and its parameters' optimizer state) under global keys.
 
     Non-tensor optimizer state becomes a 0-d tensor (float64 or int64) so nothing needs
-    pickle; the returned tensors are contiguous CPU copies, safe to write while training on.
+    pickle; the returned tensors are contiguous CPU copies, safe to write while training
+    on (``copy=False``: the live tensors, detached, for a caller that copies them at once).
     """
-    out = {f"layers.{index}.{name}": _cpu(t) for name, t in module.state_dict().items()}
+    out = {
+        f"layers.{index}.{name}": _cpu(t) if copy else t.detach()
+        for name, t in module.state_dict().items()
+    }
     if optimizer is not None:
-        out.update(optimizer_state(index, module.named_parameters(), optimizer))
+        out.update(optimizer_state(index, module.named_parameters(), optimizer, copy=copy))
     return out
 
 
 def optimizer_state(
-    index: int, params: Iterable[tuple[str, Tensor]], optimizer: torch.optim.Optimizer
+    index: int,
+    params: Iterable[tuple[str, Tensor]],
+    optimizer: torch.optim.Optimizer,
+    *,
+    copy: bool = True,
 ) -> dict[str, Tensor]:
     """The optimizer state of layer `index`'s named ``params``, as `layer_state` keys it."""
     out: dict[str, Tensor] = {}
@@ -95,7 +103,7 @@ def optimizer_state(
             if not isinstance(value, Tensor):
                 dtype = torch.float64 if isinstance(value, float) else None
                 value = torch.tensor(value, dtype=dtype)
-            out[f"optim.{index}.{name}.{key}"] = _cpu(value)
+            out[f"optim.{index}.{name}.{key}"] = _cpu(value) if copy else value.detach()
     return out
 
 

@@ -43,6 +43,7 @@ class _Move:
         self.fault: str | None = msg["fault"]
         self.prioritise = bool(msg["prioritise"])
         self.chunk_bytes, self.timeout_s = int(msg["chunk_bytes"]), float(msg["timeout_s"])
+        self.pace_Bps = float(msg["pace_Bps"])  # the base copy's
         self.stop = threading.Event()
         self.outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.senders: dict[int, StateSender] = {}
@@ -170,10 +171,12 @@ class _Move:
             with open(msg["path"], "rb") as f:
                 body = f.read()
         sent = self.senders[dst].send(
-            int(msg["stream"]), body, timeout_s=self.timeout_s, corrupt=self.fault == "corrupt"
-        )
+            int(msg["stream"]), body, timeout_s=self.timeout_s, corrupt=self.fault == "corrupt",
+            pace_Bps=0.0 if msg["log"] else self.pace_Bps,
+        )  # fmt: skip
         self.tell({"kind": "sent", "k": msg["k"], "slot": msg.get("slot"), "log": msg["log"],
-                   "bytes": sent.bytes, "chunks": sent.chunks, "yielded_s": sent.yielded_s})  # fmt: skip
+                   "bytes": sent.bytes, "chunks": sent.chunks, "yielded_s": sent.yielded_s,
+                   "paced_s": sent.paced_s})  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:

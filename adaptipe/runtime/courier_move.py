@@ -97,7 +97,9 @@ class CourierMove:
         self._began = False
         self._copies: dict[int, LayerSlot] = {}
         self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
-        self._sent: dict[str, float] = {"bytes": 0, "chunks": 0, "yielded_s": 0.0, "log_bytes": 0}
+        self._sent: dict[str, float] = {
+            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0
+        }  # fmt: skip
         self._received = 0
         self._stop = threading.Event()
         self._progress = threading.Condition()  # guards _applied; notified as copies advance
@@ -150,7 +152,7 @@ class CourierMove:
         courier.send({"kind": "bind", "move": self.version, "receive": receives,
                       "host": f"tcp://{host}:*", "curve": curve, "fault": self._fault,
                       "prioritise": settings.prioritise, "chunk_bytes": settings.chunk_bytes,
-                      "timeout_s": settings.timeout_s,
+                      "timeout_s": settings.timeout_s, "pace_Bps": settings.pace_Bps,
                       "busy": str(flag.path) if flag else ""})  # fmt: skip
         if receives:
             self._files += [*self._bases.values(), *self._finals.values()]
@@ -360,6 +362,7 @@ class CourierMove:
             self._sent["bytes"] += msg["bytes"]
             self._sent["chunks"] += msg["chunks"]
             self._sent["yielded_s"] += msg["yielded_s"]
+            self._sent["paced_s"] += msg["paced_s"]
             if msg["log"]:
                 self._sent["log_bytes"] += msg["bytes"]
                 self._rings[int(msg["k"])].give(int(msg["slot"]))

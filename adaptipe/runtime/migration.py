@@ -81,12 +81,14 @@ class MigrationReport:
     transfer: str = "stop_and_copy"  # or "streamed" (`adaptipe.runtime.streamed`)
     # streamed only: boundaries and seconds from the first boundary to the switch, the
     # gradient log's share of the bytes, chunks sent, seconds spent yielding to the
-    # stage's own sends (``seconds`` is then the stall at the switch)
+    # stage's own sends and held back by the base copy's pace (``seconds`` is then the
+    # stall at the switch)
     streamed_iterations: int = 0
     streamed_s: float = 0.0
     log_bytes: int = 0
     chunks: int = 0
     yielded_s: float = 0.0
+    paced_s: float = 0.0
     streamer: str = ""  # streamed only: "thread" or "process" (the worker's helper)
 
     def to_json(self) -> dict[str, Any]:
@@ -98,6 +100,7 @@ class MigrationReport:
             "log_bytes": self.log_bytes,
             "chunks": self.chunks,
             "yielded_s": self.yielded_s,
+            "paced_s": self.paced_s,
             "ok": self.ok,
             "moves": [{"layers": list(m.layers), "src": m.src, "dst": m.dst} for m in self.moves],
             "cause": self.cause,

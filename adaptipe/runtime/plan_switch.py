@@ -35,7 +35,7 @@ from adaptipe.runtime.migration import Move, plan_moves
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
-from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings
+from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings, base_pace
 from adaptipe.runtime.transport import P2PTransport
 from adaptipe.schedule.types import Schedule
 from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer
@@ -159,11 +159,20 @@ class PlanSwitch:
         assert plan.partition is not None
         adapt = self.config.adapt
         moves = plan_moves(partition, plan.partition, schedule)
+        held = {slot.index: slot for chunk in self.stage.chunks for slot in chunk}
+        outgoing = [held[i] for m in moves if m.src == self.stage.rank for i in m.layers]
+        stats = self.last
+        pace = base_pace(
+            sum(_state_bytes(slot) for slot in outgoing),
+            stats.iteration_s / self.last_rounds if stats else 0.0,
+            adapt.pace_iterations,
+        )
         settings = StreamSettings(
             chunk_bytes=adapt.chunk_bytes,
             prioritise=adapt.prioritise,
             timeout_s=adapt.timeout_s,
             idle_cpu=self.stage.device.type == "cuda",  # a CPU stage's core never idles
+            pace_Bps=pace if adapt.prioritise else 0.0,  # pacing is part of prioritising
         )
         where = {"group": self.follower.group, "device": self.follower.device}
         if self.courier is None:

@@ -40,7 +40,7 @@ from adaptipe.runtime.stage import StageExecutor
 from adaptipe.runtime.transport import TensorSpec, Transport
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["End", "Stage", "build_stage", "pack_payload", "payload_layers"]
+__all__ = ["End", "Stage", "build_stage", "pack_payload", "payload_layers", "payload_metadata"]
 
 End = Literal["first", "last"]
 _KIND = "adaptipe.layer_slots"
@@ -422,8 +422,12 @@ def _buffers_to(binder: Binder, layers: Sequence[int], device: torch.device) -> 
 
 def pack_payload(tensors: dict[str, Tensor], layers: Sequence[int], num_jobs: int) -> bytes:
     """The payload `Stage.pack` makes of ``tensors`` (global keys) of ``layers``."""
-    meta = {"kind": _KIND, "layers": list(layers), "jobs": num_jobs}
-    return safetensors.torch.save(tensors, metadata={"adaptipe": json.dumps(meta)})
+    return safetensors.torch.save(tensors, metadata=payload_metadata(layers, num_jobs))
+
+
+def payload_metadata(layers: Sequence[int], num_jobs: int) -> dict[str, str]:
+    """The safetensors metadata that names a payload's ``layers`` (`payload_layers`)."""
+    return {"adaptipe": json.dumps({"kind": _KIND, "layers": list(layers), "jobs": num_jobs})}
 
 
 def payload_layers(payload: bytes) -> tuple[list[int], int]:

@@ -6,8 +6,10 @@ and training waits for it. Here the state crosses while the old partition trains
 1. at the boundary where the workers first see the new partition, each sending worker
    snapshots its outgoing layers (parameters, optimizer state with the step count,
    buffers: what stop-and-copy sends) and streams them on a `statestream` channel, at
-   low priority; the receiver builds the layers from them beside its own
-   (`Stage.spare_slots`): the *base copy*;
+   low priority, one layer at a time and paced (``pace_Bps``: spread over a few
+   iterations, the copy costs each of them a little rather than one of them a lot);
+   the receiver builds each layer as it comes, beside its own (`Stage.spare_slots`):
+   the *base copy*;
 2. from then on every optimizer step of the sender also logs the outgoing layers'
    gradients and buffers on that channel, and the receiver replays each step on its
    copy, in order, with the same optimizer: the copy follows the original bit for bit
@@ -39,8 +41,8 @@ and the memory manager); those move by stop-and-copy.
 from __future__ import annotations
 
 import contextlib
-import functools
 import ipaddress
+import itertools
 import json
 import os
 import queue
@@ -56,22 +58,39 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from adaptipe.runtime import checkpoint as ckpt
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, MigrationReport, Move
 from adaptipe.runtime.slots import LayerSlot
-from adaptipe.runtime.stagestate import Stage, pack_payload, payload_layers
+from adaptipe.runtime.stagestate import Stage, payload_layers, payload_metadata
 from adaptipe.runtime.statestream import (
     StateReceiver,
     StateSender,
     StreamError,
     StreamTimeout,
 )
+from adaptipe.runtime.tensorpack import pack
 
 __all__ = ["FAILED", "READY", "WAIT", "StreamSettings", "StreamedMove"]
 
 READY, WAIT, FAILED = 1, 0, -1
 PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
+_BASE = 1 << 62  # the base copy's stream ids: _BASE + move * PER_LAYER + its layer's place
+PER_LAYER = 1 << 20
 _ADDRESS_BYTES = 192
 BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stays bounded)
+
+
+_STOP_RANK, _LOG_RANK, _BASE_RANK = -1, 0, 1  # the outbox's order: stop, log, base
+
+
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """One payload on its way: its stream, where to, its bytes, whether it is paced."""
+
+    stream: int
+    dst: int
+    body: bytes | bytearray
+    paced: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,12 +98,14 @@ class StreamSettings:
     """``chunk_bytes``: the state channel's chunk; ``prioritise``: yield to the stage's
     sends, TOS 0x08, idle I/O thread (off only to measure what it buys); ``timeout_s``:
     the whole move, from the first boundary to the switch; ``idle_cpu``: whether the
-    stage's CPU has idle time for the I/O thread at ``SCHED_IDLE``."""
+    stage's CPU has idle time for the I/O thread at ``SCHED_IDLE``; ``pace_Bps``: the
+    base copy's pace (0: as fast as the stage's sends let it; see `base_pace`)."""
 
     chunk_bytes: int = 256 << 10
     prioritise: bool = True
     timeout_s: float = 60.0
     idle_cpu: bool = True  # the channel's I/O thread at SCHED_IDLE (stages on a GPU)
+    pace_Bps: float = 0.0
 
 
 class StreamedMove:
@@ -118,11 +139,16 @@ class StreamedMove:
         self._status = WAIT
         self._copies: dict[int, LayerSlot] = {}
         self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
-        self._sent: dict[str, float] = {"bytes": 0, "chunks": 0, "yielded_s": 0.0, "log_bytes": 0}
+        self._sent: dict[str, float] = {
+            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0
+        }  # fmt: skip
         self._received = 0
         self._stop = threading.Event()
         self._progress = threading.Condition()  # guards _applied; notified as copies advance
-        self._outbox: queue.Queue[tuple[int, int, Callable[[], bytes]] | None] = queue.Queue()
+        # (rank, order, what): the log before the base (see `_send_all`); None stops
+        self._outbox: queue.PriorityQueue[tuple[int, int, _Send | None]] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._logged = self._log_sent = 0  # steps' payloads queued / sent (one writer each)
         self._receiver: StateReceiver | None = None
         self._senders: dict[int, StateSender] = {}
         self._threads: list[threading.Thread] = []
@@ -161,11 +187,13 @@ class StreamedMove:
         ]
         for thread in self._threads:
             thread.start()
-        for k, move in self.outgoing:  # the base copy: a snapshot now, packed on the thread
-            snapshot = stage.tensors(move.layers)
-            self._outbox.put(
-                (k, move.dst, functools.partial(pack_payload, snapshot, move.layers, 0))
-            )
+        held = {slot.index: slot for chunk in stage.chunks for slot in chunk}
+        for k, move in self.outgoing:  # the base copy: one payload a layer, packed now
+            for j, layer in enumerate(move.layers):
+                slot = held[layer]
+                state = ckpt.layer_state(layer, slot.module, slot.optimizer, copy=False)
+                body = pack(state, payload_metadata([layer], 0))
+                self._put(_BASE_RANK, _Send(base_stream(k, j), move.dst, body, paced=True))
         if self.outgoing:
             stage.tap_steps(self._log_step)
 
@@ -219,7 +247,7 @@ class StreamedMove:
         close their own sockets as they end, off the training path; ``wait`` joins them."""
         self.stage.tap_steps(None)
         self._stop.set()
-        self._outbox.put(None)
+        self._put(_STOP_RANK, None)
         if wait:
             for thread in self._threads:
                 thread.join(timeout=5.0)
@@ -230,7 +258,7 @@ class StreamedMove:
         (copies: an optimizer may change them in place) and buffers."""
         held = {slot.index: slot for slot in slots}
         n = step - self.base_step + 1
-        if self._outbox.qsize() > BACKLOG * len(self.outgoing):  # the link cannot keep up
+        if self._logged - self._log_sent > BACKLOG * len(self.outgoing):  # the link lags
             self._error = self._error or (
                 f"the gradient log fell {BACKLOG} steps behind the link; the move needs "
                 "stop-and-copy ([adapt] transfer)"
@@ -243,10 +271,15 @@ class StreamedMove:
                 module = held[i].module
                 for name, p in module.named_parameters():
                     if p.grad is not None:
-                        tensors[f"{i}/grad/{name}"] = p.grad.detach().to("cpu", copy=True)
+                        tensors[f"{i}/grad/{name}"] = p.grad
                 for name, b in state_buffers(module):
-                    tensors[f"{i}/buffer/{name}"] = b.detach().to("cpu", copy=True)
-            self._outbox.put((n * PER_STEP + k, move.dst, functools.partial(_save, tensors)))
+                    tensors[f"{i}/buffer/{name}"] = b
+            body = pack(tensors)  # the one copy (an optimizer may change them in place)
+            self._logged += 1
+            self._put(_LOG_RANK, _Send(n * PER_STEP + k, move.dst, body, paced=False))
+
+    def _put(self, rank: int, item: _Send | None) -> None:
+        self._outbox.put((rank, next(self._order), item))
 
     def _send_loop(self) -> None:
         try:
@@ -256,24 +289,31 @@ class StreamedMove:
                 sender.close()
 
     def _send_all(self) -> None:
+        """Send what is queued, logged steps first: the receiver keeps a step that comes
+        before its base, so the log never waits behind a paced base and arrives spread
+        over the iterations the base takes, not at once after it."""
         while True:
-            item = self._outbox.get()
+            _, _, item = self._outbox.get()
             if item is None or self._stop.is_set():
                 return
-            stream, dst, make = item
+            paced = item.paced
             try:
                 if self._fault == "raise":
                     raise RuntimeError("migration fault injected before sending")
-                body = make()
-                corrupt = self._fault == "corrupt"
-                sent = self._senders[dst].send(stream, body, timeout_s=3600.0, corrupt=corrupt)
+                sent = self._senders[item.dst].send(
+                    item.stream, item.body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
+                    pace_Bps=self.settings.pace_Bps if paced else 0.0,
+                )  # fmt: skip
             except Exception as exc:  # the move fails at the next boundary
                 self._error = f"{type(exc).__name__}: {exc}"
                 return
+            if not paced:
+                self._log_sent += 1
             self._sent["bytes"] += sent.bytes
             self._sent["chunks"] += sent.chunks
             self._sent["yielded_s"] += sent.yielded_s
-            if stream >= PER_STEP:
+            self._sent["paced_s"] += sent.paced_s
+            if not paced:
                 self._sent["log_bytes"] += sent.bytes
 
     # ------------------------------------------------------------------ receiving
@@ -295,33 +335,44 @@ class StreamedMove:
         apply each to the copies as it comes."""
         n = 0
         while True:
-            for k, _ in self.incoming:
-                while True:
-                    if self._stop.is_set():
+            for k, move in self.incoming:
+                if n == 0:  # the base, a layer at a time
+                    for j, layer in enumerate(move.layers):
+                        data = self._take(receiver, base_stream(k, j))
+                        if data is None:
+                            return
+                        self._build(k, layer, data)
+                else:
+                    data = self._take(receiver, n * PER_STEP + k)
+                    if data is None:
                         return
-                    try:
-                        data = receiver.receive(n * PER_STEP + k, digest=None, timeout_s=0.05)
-                        break
-                    except StreamTimeout:
-                        continue
-                self._apply(n, k, data)
+                    self._received += len(data)
+                    _replay(
+                        self._copies, move.layers, safetensors.torch.load(data), self.stage.device
+                    )
                 with self._progress:
                     self._applied[k] = n
                     self._progress.notify_all()
             n += 1
 
-    def _apply(self, n: int, k: int, body: bytes) -> None:
+    def _take(self, receiver: StateReceiver, stream: int) -> bytes | None:
+        """Stream ``stream`` whole, or None once the move is closed."""
+        while not self._stop.is_set():
+            try:
+                return receiver.receive(stream, digest=None, timeout_s=0.05)
+            except StreamTimeout:
+                continue
+        return None
+
+    def _build(self, k: int, layer: int, body: bytes) -> None:
+        """The copy of ``layer`` (of move ``k``) from its base."""
         move = self.moves[k]
         self._received += len(body)
-        if n == 0:
-            layers, _ = payload_layers(body)
-            if tuple(layers) != move.layers:
-                raise StreamError(f"worker {move.src} sent layers {layers}, not {move.layers}")
-            tensors = safetensors.torch.load(body)
-            for slot in self.stage.spare_slots(move.layers, tensors):
-                self._copies[slot.index] = slot
-        else:
-            _replay(self._copies, move.layers, safetensors.torch.load(body), self.stage.device)
+        layers, _ = payload_layers(body)
+        if layers != [layer]:
+            raise StreamError(f"worker {move.src} sent layers {layers}, not [{layer}]")
+        (slot,) = self.stage.spare_slots(layers, safetensors.torch.load(body))
+        self._copies[slot.index] = slot
 
     def _behind(self, done: int) -> int:
         """How many steps the slowest incoming move's copy lacks of ``done``."""
@@ -347,6 +398,19 @@ class StreamedMove:
         self._receiver = None
 
 
+def base_stream(move: int, place: int) -> int:
+    """The stream id of the base copy of the ``place``-th layer of move ``move``."""
+    return _BASE + move * PER_LAYER + place
+
+
+def base_pace(state_bytes: int, iteration_s: float, iterations: int) -> float:
+    """The pace (bytes a second) that sends ``state_bytes`` of base copy over
+    ``iterations`` iterations of ``iteration_s`` (0: unpaced, when either is unknown)."""
+    if iterations <= 0 or iteration_s <= 0 or state_bytes <= 0:
+        return 0.0
+    return state_bytes / (iterations * iteration_s)
+
+
 def finish_report(
     report: MigrationReport,
     stage: Stage,
@@ -367,6 +431,7 @@ def finish_report(
     report.log_bytes = int(sent["log_bytes"])
     report.chunks = int(sent["chunks"])
     report.yielded_s = sent["yielded_s"]
+    report.paced_s = sent["paced_s"]
     return report
 
 
@@ -397,10 +462,6 @@ def exchange(
         entry = json.loads(bytes(got.cpu().tolist()).rstrip(b"\0"))
         out[rank] = (str(entry["a"]), str(entry["k"]), bool(entry["f"]))
     return out
-
-
-def _save(tensors: dict[str, Tensor]) -> bytes:
-    return safetensors.torch.save(tensors) if tensors else safetensors.torch.save({})
 
 
 def _replay(
