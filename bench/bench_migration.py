@@ -74,7 +74,6 @@ _STREAMED = {"method": "live", "transfer": "streamed"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "streamed": {**_STREAMED, "prioritise": True, "streamer": "thread"},
     "unpaced": {**_STREAMED, "prioritise": True, "streamer": "thread", "pace_iterations": 0},
-    "pace4": {**_STREAMED, "prioritise": True, "streamer": "thread", "pace_iterations": 4},
     "unprioritised": {**_STREAMED, "prioritise": False, "streamer": "thread"},
     "courier": {**_STREAMED, "prioritise": True, "streamer": "process"},
     "courier_unprioritised": {**_STREAMED, "prioritise": False, "streamer": "process"},
