@@ -192,9 +192,13 @@ class StateSender:
         timeout_s: float = 60.0,
         corrupt: bool = False,
         pace_Bps: float = 0.0,
+        while_ahead: Callable[[], None] | None = None,
     ) -> StreamReport:
         """Send ``payload`` as stream ``stream``; returns when every chunk is queued.
         ``pace_Bps``: at most this many bytes a second (0: as fast as the stage lets);
+        ``while_ahead``: called between chunks while the payload is ahead of its pace,
+        before waiting for it (the caller sends its more urgent payloads there: they use
+        the time the pace leaves, and never hold this one behind its pace);
         ``corrupt`` flips a byte of the first chunk after its digest is taken (a drill)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -205,6 +209,8 @@ class StateSender:
         for index in range(count):
             chunk = view[index * size : (index + 1) * size]  # sent without a copy
             if pace_Bps > 0 and index > 0:  # the chunks so far, at the pace, less the time
+                if while_ahead is not None and index * size / pace_Bps > time.monotonic() - t0:
+                    while_ahead()
                 ahead = index * size / pace_Bps - (time.monotonic() - t0)
                 if ahead > 0:
                     time.sleep(min(ahead, max(deadline - time.monotonic(), 0.0)))

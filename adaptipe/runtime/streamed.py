@@ -83,6 +83,10 @@ BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stay
 _STOP_RANK, _LOG_RANK, _BASE_RANK = -1, 0, 1  # the outbox's order: stop, log, base
 
 
+class _Stopped(Exception):
+    """The move was closed while the sending thread sent a logged step."""
+
+
 @dataclass(frozen=True, slots=True)
 class _Send:
     """One payload on its way: its stream, where to, its bytes, whether it is paced."""
@@ -289,32 +293,51 @@ class StreamedMove:
                 sender.close()
 
     def _send_all(self) -> None:
-        """Send what is queued, logged steps first: the receiver keeps a step that comes
-        before its base, so the log never waits behind a paced base and arrives spread
-        over the iterations the base takes, not at once after it."""
+        """Send what is queued, logged steps first, and a logged step that comes while a
+        base payload is ahead of its pace in the time the pace leaves (the receiver keeps
+        a step that comes before its base): the log arrives spread over the iterations
+        the base takes, not all at once after it, and never holds the base behind its
+        pace (where the link cannot carry both, the base goes first, as it must)."""
+        try:
+            while True:
+                _, _, item = self._outbox.get()
+                if item is None or self._stop.is_set():
+                    return
+                self._send(item)
+        except _Stopped:
+            return
+        except Exception as exc:  # the move fails at the next boundary
+            self._error = f"{type(exc).__name__}: {exc}"
+
+    def _send(self, item: _Send) -> None:
+        if self._fault == "raise":
+            raise RuntimeError("migration fault injected before sending")
+        sent = self._senders[item.dst].send(
+            item.stream, item.body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
+            pace_Bps=self.settings.pace_Bps if item.paced else 0.0,
+            while_ahead=self._send_logged if item.paced else None,
+        )  # fmt: skip
+        self._sent["bytes"] += sent.bytes
+        self._sent["chunks"] += sent.chunks
+        self._sent["yielded_s"] += sent.yielded_s
+        self._sent["paced_s"] += sent.paced_s
+        if not item.paced:
+            self._sent["log_bytes"] += sent.bytes
+            self._log_sent += 1
+
+    def _send_logged(self) -> None:
+        """The logged steps queued now (while a base payload waits for its pace)."""
         while True:
-            _, _, item = self._outbox.get()
-            if item is None or self._stop.is_set():
-                return
-            paced = item.paced
+            if self._stop.is_set():
+                raise _Stopped
             try:
-                if self._fault == "raise":
-                    raise RuntimeError("migration fault injected before sending")
-                sent = self._senders[item.dst].send(
-                    item.stream, item.body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
-                    pace_Bps=self.settings.pace_Bps if paced else 0.0,
-                )  # fmt: skip
-            except Exception as exc:  # the move fails at the next boundary
-                self._error = f"{type(exc).__name__}: {exc}"
+                rank, order, item = self._outbox.get_nowait()
+            except queue.Empty:
                 return
-            if not paced:
-                self._log_sent += 1
-            self._sent["bytes"] += sent.bytes
-            self._sent["chunks"] += sent.chunks
-            self._sent["yielded_s"] += sent.yielded_s
-            self._sent["paced_s"] += sent.paced_s
-            if not paced:
-                self._sent["log_bytes"] += sent.bytes
+            if rank != _LOG_RANK or item is None:  # a base, or the stop: not now
+                self._outbox.put((rank, order, item))
+                return
+            self._send(item)
 
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:
