@@ -106,10 +106,19 @@ def test_a_paced_payload_takes_its_bytes_over_the_pace_and_arrives_whole() -> No
     sender = StateSender(receiver.address, chunk_bytes=8 << 10)
     try:
         payload = _payload(64 << 10)
-        report = sender.send(1, payload, pace_Bps=256 << 10)  # 8 chunks at 256 KiB/s
+        urgent = _payload(1000)
+        sent_between: list[int] = []
+
+        def between() -> None:  # a more urgent payload, sent in the time the pace leaves
+            if not sent_between:
+                sent_between.append(sender.send(9, urgent).chunks)
+
+        report = sender.send(1, payload, pace_Bps=256 << 10, while_ahead=between)  # 8 chunks
         # the last chunk leaves no earlier than 7 chunks' worth of the pace after the first
         assert report.seconds >= 7 * (8 << 10) / (256 << 10) * 0.95
         assert report.paced_s > 0.1 and report.chunks == 8
+        assert sent_between == [1]
+        assert receiver.receive(9, digest=hashlib.sha256(urgent).digest(), timeout_s=5) == urgent
         assert receiver.receive(1, digest=hashlib.sha256(payload).digest(), timeout_s=5) == payload
         assert sender.send(2, payload).paced_s == 0.0  # unpaced
     finally:
