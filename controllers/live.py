@@ -21,10 +21,11 @@ device (no compute). Slowdowns are then relative to how the run went before.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -142,11 +143,15 @@ class LiveDecider:
         workers: int,
         sizes: Sequence[LayerProfile] | None = None,
         microbatches: int = 1,
+        blocks_of: Callable[[int], int] | None = None,
     ) -> None:
         self.controller, self.profile = controller, profile
         self.name = controller.name
         self.window, self.workers, self.sizes = window, workers, sizes
         self.microbatches = microbatches
+        # a job-array's blocks an iteration under each plan version (its active jobs:
+        # successive halving stops some); None: ``microbatches`` always
+        self.blocks_of = blocks_of
 
     def describe(self) -> dict[str, Any]:
         """The controller's name and the shipped artifacts it decides with (model,
@@ -168,6 +173,11 @@ class LiveDecider:
             load(state)
 
     def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
+        if self.blocks_of is not None:
+            records = self._same_blocks(records, self.blocks_of)
+            if not _complete(records, partition, self.workers):
+                why = "measuring after the active jobs changed"
+                return Verdict(bounds=None, decision={"bounds": None, "reason": why})
         if self.profile is None:
             seen = _complete(records, partition, self.workers)
             if seen < 2 * self.window:  # the first window has the warm-up in it
@@ -200,6 +210,23 @@ class LiveDecider:
             decision, logged = self.controller.decide(obs), inputs(obs)
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)
 
+    def _same_blocks(
+        self, records: Sequence[Record], blocks_of: Callable[[int], int]
+    ) -> list[Record]:
+        """``records`` less the iterations that ran another number of blocks than the
+        newest one (before its jobs were stopped); sets ``microbatches`` to that number."""
+        from adaptipe.monitor.schema import StageStats
+
+        versions = [r.plan_version for r in records if isinstance(r, StageStats)]
+        if not versions:
+            return list(records)
+        self.microbatches = blocks = blocks_of(max(versions))
+        return [
+            r
+            for r in records
+            if not isinstance(r, StageStats) or blocks_of(r.plan_version) == blocks
+        ]
+
 
 def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
     """The `DeciderFactory` for ``adaptipe train`` and ``adaptipe manage``."""
@@ -213,21 +240,43 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         workers=cfg.pipeline.stages,
         sizes=layer_sizes(cfg) if profile is None else None,
         microbatches=blocks_per_iteration(cfg, profile),
+        blocks_of=_blocks_by_version(run, cfg, profile) if cfg.sweep is not None else None,
     )
 
 
-def blocks_per_iteration(cfg: RunConfig, profile: Profile | None) -> int:
+def blocks_per_iteration(
+    cfg: RunConfig, profile: Profile | None, jobs: Sequence[int] | None = None
+) -> int:
     """How many micro-batch-sized blocks each layer runs an iteration: what the measured
     per-layer sums are divided by to compare with the profile. ``[data].microbatches``
-    for one job; for a job-array every job's batch (its block) over the micro-batch the
-    profile timed: 4 jobs of 16 samples profiled at 16 make 4 (dividing by
-    ``[data].microbatches``, 1 there, read every slowdown about 4x). Counted over all
-    the sweep's jobs: once some stop, slowdowns read lower by their share."""
+    for one job; for a job-array the batches (one block each) of ``jobs`` (default:
+    every job of the sweep) over the micro-batch the profile timed: 4 jobs of 16
+    samples profiled at 16 make 4 (dividing by ``[data].microbatches``, 1 there, read
+    every slowdown about 4x; counting stopped jobs reads them lower by their share)."""
     if cfg.sweep is None:
         return cfg.data.microbatches
     block = profile.microbatch if profile is not None else cfg.data.microbatch_size
-    samples = sum(job.batch_size for job in cfg.sweep.jobs)
+    picked = cfg.sweep.jobs if jobs is None else [cfg.sweep.jobs[j] for j in jobs]
+    samples = sum(job.batch_size for job in picked)
     return max(1, round(samples / max(block, 1)))
+
+
+def _blocks_by_version(
+    run: RunDir, cfg: RunConfig, profile: Profile | None
+) -> Callable[[int], int]:
+    """Plan version -> `blocks_per_iteration` of its active jobs (versions never change
+    once committed, so each is read once)."""
+    from adaptipe.runtime.planversion import read_active
+
+    @functools.cache
+    def blocks(version: int) -> int:
+        try:
+            jobs: Sequence[int] | None = read_active(run, version, cfg).jobs
+        except (OSError, PlanError, ValueError):  # not readable: every job
+            jobs = None
+        return blocks_per_iteration(cfg, profile, jobs)
+
+    return blocks
 
 
 def layer_sizes(cfg: RunConfig) -> list[LayerProfile] | None:

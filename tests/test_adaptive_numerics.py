@@ -89,3 +89,44 @@ def test_a_job_array_decider_divides_each_layer_by_its_blocks_not_the_data_micro
     data["sweep"] = {"grid": {"lr": [0.01, 0.02], "batch_size": [16, 32]}}  # 96 samples
     mixed = RunConfig.from_dict(data, source="test.toml")
     assert blocks_per_iteration(mixed, None) == 6
+    assert mixed.sweep is not None
+    small = [j for j, job in enumerate(mixed.sweep.jobs) if job.batch_size == 16]
+    large = [j for j, job in enumerate(mixed.sweep.jobs) if job.batch_size == 32]
+    assert blocks_per_iteration(mixed, None, jobs=small) == 2  # the jobs left: 32 samples
+    assert blocks_per_iteration(mixed, None, jobs=large) == 4
+
+
+def test_after_a_rung_the_live_decider_counts_the_jobs_left_and_their_iterations() -> None:
+    """Successive halving stops jobs: per-layer sums of the iterations after a rung are
+    divided by the blocks the jobs left run, and iterations of either side are never
+    mixed in one window (the first checks after the rung wait for a whole iteration)."""
+    from adaptipe.controllers.base import Keep
+    from adaptipe.controllers.live import LiveDecider
+    from adaptipe.monitor.schema import StageStats
+    from adaptipe.plan.partition import Partition
+
+    def stats(it: int, stage: int, version: int) -> StageStats:
+        return StageStats(
+            run_id="r", stage=stage, iteration=it, time_s=float(it), first_layer=3 * stage,
+            forward_s=(0.01,) * 3, backward_s=(0.02,) * 3, compute_s=0.09, wait_s=0.0,
+            comm_s=0.0, iteration_s=0.09, plan_version=version,
+        )  # fmt: skip
+
+    blocks = {0: 4, 1: 2}  # version 1 stopped half the jobs
+    asked: list[int] = []
+
+    def blocks_of(version: int) -> int:
+        asked.append(version)
+        return blocks[version]
+
+    decider = LiveDecider(Keep(), None, window=2, workers=2, microbatches=4, blocks_of=blocks_of)
+    partition = Partition(model="m", num_layers=6, bounds=(0, 3, 6))
+    before = [stats(it, s, 0) for it in range(6) for s in (0, 1)]
+    decider(before, partition)
+    assert decider.microbatches == 4
+    torn = [*before, stats(6, 0, 1)]  # stage 1 has not reported the rung's iteration yet
+    verdict = decider(torn, partition)
+    assert verdict.bounds is None and "active jobs changed" in verdict.decision["reason"]
+    assert decider.microbatches == 2
+    after = [*torn, stats(6, 1, 1)]
+    assert decider._same_blocks(after, blocks_of) == [stats(6, 0, 1), stats(6, 1, 1)]
