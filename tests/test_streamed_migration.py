@@ -19,7 +19,7 @@ from adaptipe.runtime.launch import StageFailed, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV
 from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.streamed import base_pace
+from adaptipe.runtime.streamproto import base_pace
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
 from tests.test_migration import _assert_bitwise, _events
@@ -73,12 +73,15 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_streamed_migrations_end_bitwise_equal_to_no_migration(
     make_config: Callable[..., RunConfig], tmp_path: Path, name: str, streamer: str
 ) -> None:
-    """In threads of the stage or in each worker's helper process (`streamer`)."""
+    """In threads of the stage or in each worker's helper process (`streamer`); the
+    base copy paced over 3 iterations (the default), in the smallest chunks, so that the
+    pace holds back even this small model's state."""
     case = CASES[name]
     stages = case["pipeline"]["stages"]
     train(_config(make_config, case, tmp_path / "still", moves=False))
     moved = tmp_path / "moved"
-    train(_config(make_config, case, moved, moves=True, adapt={"streamer": streamer}))
+    adapt = {"streamer": streamer, "chunk_bytes": 4096}
+    train(_config(make_config, case, moved, moves=True, adapt=adapt))
     starts = _events(moved, "stream_start", stages)
     assert [[e["iteration"] for e in s] for s in starts] == [[3, 12]] * stages
     migrations = _events(moved, "migration", stages)
@@ -94,6 +97,13 @@ def test_streamed_migrations_end_bitwise_equal_to_no_migration(
     assert sorted(adoptions(RunDir(moved)).values()) == switched
     senders = [e for s in migrations for e in s if e["bytes_sent"] > 0]
     assert senders and all(0 < e["log_bytes"] < e["bytes_sent"] for e in senders)
+    # a base of several layers (a payload each) waited for its pace; one chunk goes at once
+    several = [
+        e
+        for e in senders
+        if sum(len(m["layers"]) for m in e["moves"] if m["src"] == e["stage"]) > 1
+    ]
+    assert several and all(e["paced_s"] > 0 for e in several)
     plans = _events(moved, "plan", stages)
     assert sorted(i for s in plans for i in s[-1]["layers"]) == list(range(6))
     said = [

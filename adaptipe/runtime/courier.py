@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from adaptipe.runtime.streamed import state_buffers
+from adaptipe.runtime.streamproto import state_buffers
 
 __all__ = ["Courier", "LogRing", "SharedFlag", "log_entries", "shm_path"]
 

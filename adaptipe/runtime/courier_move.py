@@ -41,7 +41,7 @@ from adaptipe.runtime.courier import Courier, LogRing, SharedFlag, log_entries, 
 from adaptipe.runtime.migration import MigrationReport, Move
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
-from adaptipe.runtime.streamed import (
+from adaptipe.runtime.streamproto import (
     BACKLOG,
     FAILED,
     PER_STEP,

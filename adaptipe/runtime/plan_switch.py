@@ -35,7 +35,8 @@ from adaptipe.runtime.migration import Move, plan_moves
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
-from adaptipe.runtime.streamed import WAIT, StreamedMove, StreamSettings, base_pace
+from adaptipe.runtime.streamed import StreamedMove
+from adaptipe.runtime.streamproto import WAIT, StreamSettings, base_pace
 from adaptipe.runtime.transport import P2PTransport
 from adaptipe.schedule.types import Schedule
 from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer

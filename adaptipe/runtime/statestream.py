@@ -192,10 +192,14 @@ class StateSender:
         timeout_s: float = 60.0,
         corrupt: bool = False,
         pace_Bps: float = 0.0,
+        pace_origin: tuple[float, int] | None = None,
         while_ahead: Callable[[], None] | None = None,
     ) -> StreamReport:
         """Send ``payload`` as stream ``stream``; returns when every chunk is queued.
-        ``pace_Bps``: at most this many bytes a second (0: as fast as the stage lets);
+        ``pace_Bps``: at most this many bytes a second (0: as fast as the stage lets),
+        counted from ``pace_origin`` (the `time.monotonic` a paced sequence of payloads
+        began, and the bytes of it sent before this one; default: now, none), so that
+        a sequence of small payloads keeps one pace;
         ``while_ahead``: called between chunks while the payload is ahead of its pace,
         before waiting for it (the caller sends its more urgent payloads there: they use
         the time the pace leaves, and never hold this one behind its pace);
@@ -206,12 +210,14 @@ class StateSender:
         size = self.chunk_bytes
         count = max(1, -(-len(payload) // size))
         yielded = paced = 0.0
+        since, before = pace_origin if pace_origin is not None else (t0, 0)
         for index in range(count):
             chunk = view[index * size : (index + 1) * size]  # sent without a copy
-            if pace_Bps > 0 and index > 0:  # the chunks so far, at the pace, less the time
-                if while_ahead is not None and index * size / pace_Bps > time.monotonic() - t0:
+            if pace_Bps > 0:  # when this chunk is due at the pace, less the time now
+                due = since + (before + index * size) / pace_Bps
+                if while_ahead is not None and due > time.monotonic():
                     while_ahead()
-                ahead = index * size / pace_Bps - (time.monotonic() - t0)
+                ahead = due - time.monotonic()
                 if ahead > 0:
                     time.sleep(min(ahead, max(deadline - time.monotonic(), 0.0)))
                     paced += ahead
