@@ -18,6 +18,7 @@ from adaptipe.monitor.publisher import CurveKeys
 from adaptipe.runtime.statestream import (
     _HEADER,
     LOW_PRIORITY_TOS,
+    Pace,
     StateReceiver,
     StateSender,
     StreamError,
@@ -113,7 +114,7 @@ def test_a_paced_payload_takes_its_bytes_over_the_pace_and_arrives_whole() -> No
             if not sent_between:
                 sent_between.append(sender.send(9, urgent).chunks)
 
-        report = sender.send(1, payload, pace_Bps=256 << 10, while_ahead=between)  # 8 chunks
+        report = sender.send(1, payload, pace=Pace(256 << 10), while_ahead=between)  # 8 chunks
         # the last chunk leaves no earlier than 7 chunks' worth of the pace after the first
         assert report.seconds >= 7 * (8 << 10) / (256 << 10) * 0.95
         assert report.paced_s > 0.1 and report.chunks == 8

@@ -27,7 +27,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from adaptipe.runtime.statestream import StateReceiver, StateSender, StreamTimeout
+from adaptipe.runtime.statestream import Pace, StateReceiver, StateSender, StreamTimeout
 
 _PER_STEP = 64  # as adaptipe.runtime.streamed
 _NICE = 10  # a low-priority helper's niceness
@@ -43,8 +43,8 @@ class _Move:
         self.fault: str | None = msg["fault"]
         self.prioritise = bool(msg["prioritise"])
         self.chunk_bytes, self.timeout_s = int(msg["chunk_bytes"]), float(msg["timeout_s"])
-        self.pace_Bps = float(msg["pace_Bps"])  # the base copy's
-        self.base_origin: tuple[float, int] | None = None  # its pace: began, bytes sent
+        pace = float(msg["pace_Bps"])  # one pace over every move's base
+        self.pace = Pace(pace) if pace > 0 else None
         self.stop = threading.Event()
         self.outbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.senders: dict[int, StateSender] = {}
@@ -171,13 +171,10 @@ class _Move:
         else:
             with open(msg["path"], "rb") as f:
                 body = f.read()
-        origin = None if msg["log"] else (self.base_origin or (time.monotonic(), 0))
         sent = self.senders[dst].send(
             int(msg["stream"]), body, timeout_s=self.timeout_s, corrupt=self.fault == "corrupt",
-            pace_Bps=0.0 if msg["log"] else self.pace_Bps, pace_origin=origin,
+            pace=None if msg["log"] else self.pace,
         )  # fmt: skip
-        if origin is not None:  # one pace over every move's base
-            self.base_origin = (origin[0], origin[1] + sent.bytes)
         self.tell({"kind": "sent", "k": msg["k"], "slot": msg.get("slot"), "log": msg["log"],
                    "bytes": sent.bytes, "chunks": sent.chunks, "yielded_s": sent.yielded_s,
                    "paced_s": sent.paced_s})  # fmt: skip

@@ -46,6 +46,7 @@ from adaptipe.monitor.publisher import CurveKeys, check_address
 
 __all__ = [
     "LOW_PRIORITY_TOS",
+    "Pace",
     "StateReceiver",
     "StateSender",
     "StreamError",
@@ -76,6 +77,17 @@ class StreamReport:
     seconds: float
     yielded_s: float
     paced_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Pace:
+    """One pace over a sequence of payloads (a base copy's, one payload a layer): at
+    most ``rate_Bps`` bytes a second from when the first of them began; `StateSender.send`
+    starts it and counts what it sent, so small payloads keep the pace a large one would."""
+
+    rate_Bps: float
+    began: float | None = None  # time.monotonic() of the first chunk
+    sent: int = 0  # bytes of the sequence sent so far
 
 
 def _context(prioritise: bool) -> zmq.Context[Any]:
@@ -191,15 +203,12 @@ class StateSender:
         *,
         timeout_s: float = 60.0,
         corrupt: bool = False,
-        pace_Bps: float = 0.0,
-        pace_origin: tuple[float, int] | None = None,
+        pace: Pace | None = None,
         while_ahead: Callable[[], None] | None = None,
     ) -> StreamReport:
         """Send ``payload`` as stream ``stream``; returns when every chunk is queued.
-        ``pace_Bps``: at most this many bytes a second (0: as fast as the stage lets),
-        counted from ``pace_origin`` (the `time.monotonic` a paced sequence of payloads
-        began, and the bytes of it sent before this one; default: now, none), so that
-        a sequence of small payloads keeps one pace;
+        ``pace``: the pace this payload keeps, with those sent before it (None: as fast
+        as the stage lets);
         ``while_ahead``: called between chunks while the payload is ahead of its pace,
         before waiting for it (the caller sends its more urgent payloads there: they use
         the time the pace leaves, and never hold this one behind its pace);
@@ -210,11 +219,12 @@ class StateSender:
         size = self.chunk_bytes
         count = max(1, -(-len(payload) // size))
         yielded = paced = 0.0
-        since, before = pace_origin if pace_origin is not None else (t0, 0)
+        if pace is not None and pace.began is None:
+            pace.began = t0
         for index in range(count):
             chunk = view[index * size : (index + 1) * size]  # sent without a copy
-            if pace_Bps > 0:  # when this chunk is due at the pace, less the time now
-                due = since + (before + index * size) / pace_Bps
+            if pace is not None and pace.began is not None and pace.rate_Bps > 0:
+                due = pace.began + (pace.sent + index * size) / pace.rate_Bps
                 if while_ahead is not None and due > time.monotonic():
                     while_ahead()
                 ahead = due - time.monotonic()
@@ -237,6 +247,8 @@ class StateSender:
                 flipped[len(flipped) // 2] ^= 0xFF
                 chunk = memoryview(bytes(flipped))
             self._sock.send_multipart([header, chunk], copy=False)
+        if pace is not None:
+            pace.sent += len(payload)
         return StreamReport(count, len(payload), time.monotonic() - t0, yielded, paced)
 
     def close(self) -> None:

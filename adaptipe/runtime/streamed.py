@@ -58,6 +58,7 @@ from adaptipe.runtime.migration import MigrationReport, Move
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage, payload_layers, payload_metadata
 from adaptipe.runtime.statestream import (
+    Pace,
     StateReceiver,
     StateSender,
     StreamError,
@@ -142,7 +143,7 @@ class StreamedMove:
         self._outbox: queue.PriorityQueue[tuple[int, int, _Send | None]] = queue.PriorityQueue()
         self._order = itertools.count()
         self._logged = self._log_sent = 0  # steps' payloads queued / sent (one writer each)
-        self._base_origin: tuple[float, int] | None = None  # the base's pace: began, bytes
+        self._pace = Pace(settings.pace_Bps) if settings.pace_Bps > 0 else None  # the base's
         self._receiver: StateReceiver | None = None
         self._senders: dict[int, StateSender] = {}
         self._threads: list[threading.Thread] = []
@@ -302,16 +303,11 @@ class StreamedMove:
     def _send(self, item: _Send) -> None:
         if self._fault == "raise":
             raise RuntimeError("migration fault injected before sending")
-        origin = None
-        if item.paced:  # one pace over every layer's payload
-            origin = self._base_origin or (time.monotonic(), 0)
         sent = self._senders[item.dst].send(
             item.stream, item.body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
-            pace_Bps=self.settings.pace_Bps if item.paced else 0.0, pace_origin=origin,
+            pace=self._pace if item.paced else None,  # one pace over every layer's payload
             while_ahead=self._send_logged if item.paced else None,
         )  # fmt: skip
-        if origin is not None:
-            self._base_origin = (origin[0], origin[1] + sent.bytes)
         self._sent["bytes"] += sent.bytes
         self._sent["chunks"] += sent.chunks
         self._sent["yielded_s"] += sent.yielded_s
