@@ -107,6 +107,7 @@ def learn(
     policy can serve several); the model, VecNormalize's observation statistics (None
     without) and the episodes' settings (the first model's, with ``models`` when more)."""
     from stable_baselines3 import PPO
+    from stable_baselines3.common.logger import Logger
     from stable_baselines3.common.utils import set_random_seed
     from stable_baselines3.common.vec_env import DummyVecEnv, VecNormalize
 
@@ -144,6 +145,9 @@ def learn(
         device="cpu",
         verbose=0,
     )
+    # A logger with no outputs: SB3's default makes an empty SB3-<date> folder in the
+    # system's temporary folder on every learn() even with verbose=0.
+    model.set_logger(Logger(folder=None, output_formats=[]))
     model.learn(total_timesteps=timesteps, callback=callback, progress_bar=bar)
     obs_rms = venv.obs_rms if settings.obs_norm else None
     env = {k: v for k, v in asdict(episodes[0]).items() if k != "cost"}

@@ -5,6 +5,7 @@ itself, and `LearnedSwitch` acts in an episode as the policy did in the environm
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +153,14 @@ def test_a_stage_count_with_no_shipped_policy_is_refused_naming_those_there_are(
         LearnedSwitch(load_switch()).decide(episode.observation())
 
 
-def test_seeded_training_repeats_itself(tmp_path: Path) -> None:
+def test_seeded_training_repeats_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     kwargs: dict[str, Any] = {"seed": 1, "timesteps": 64, "progress": False, "n_envs": 1}
     a = train_switch(out=tmp_path / "a", settings=TINY, **kwargs)
     b = train_switch(out=tmp_path / "b", settings=TINY, **kwargs)
+    assert list(scratch.glob("SB3-*")) == []  # no logger folders left behind
     assert (a / "weights.safetensors").read_bytes() == (b / "weights.safetensors").read_bytes()
     ma, mb = (load_artifact(p, model="switch", format=FORMAT) for p in (a, b))
     assert ma.files == mb.files
