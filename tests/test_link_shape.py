@@ -506,6 +506,7 @@ def _per_step(records: list[dict[str, Any]], src: int, starts: list[float]) -> l
 
 
 @needs_bed
+@pytest.mark.slow  # 24 s; a real run's link shapes by default: ...train_inject_applies...
 def test_bandwidth_steps_mid_run_show_in_link_samples_and_on_the_report(
     make_config: Callable[..., RunConfig], tmp_path: Path, bed: Bed, state_dir: Path
 ) -> None:

@@ -208,7 +208,13 @@ def test_a_move_where_a_checkpoint_is_due_resumes_from_that_checkpoint_bitwise(
 
 
 @pytest.mark.parametrize(
-    "fault", ["corrupt:0", "raise:0", pytest.param("late:0", marks=pytest.mark.slow), "refuse:1"]
+    "fault",
+    [
+        "corrupt:0",
+        pytest.param("raise:0", marks=pytest.mark.slow),
+        pytest.param("late:0", marks=pytest.mark.slow),
+        "refuse:1",
+    ],
 )
 def test_a_failed_migration_keeps_the_old_partition_and_changes_no_bit(
     make_config: Callable[..., RunConfig],

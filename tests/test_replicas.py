@@ -182,7 +182,7 @@ def _replicated_run(
 @pytest.mark.parametrize(
     ("schedule", "replicas", "microbatches"),
     [
-        pytest.param("gpipe", [1, 2], 4, id="gpipe-1x2-m4"),
+        pytest.param("gpipe", [1, 2], 4, id="gpipe-1x2-m4", marks=pytest.mark.slow),
         pytest.param("1f1b", [2, 1], 4, id="1f1b-2x1-m4"),
         pytest.param("1f1b", [1, 2], 5, id="1f1b-1x2-m5-uneven"),
         pytest.param("gpipe", [2, 1], 3, id="gpipe-2x1-m3-uneven", marks=pytest.mark.slow),

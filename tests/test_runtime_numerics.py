@@ -56,8 +56,11 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 def _sync_case(schedule: str, stages: int, recompute: bool, batch_wgrad: bool) -> Any:
     name = f"{schedule}-S{stages}{'-recompute' if recompute else ''}"
     # Batched weight gradients change only where dW is computed: every 2-stage case runs
-    # by default, the 4-stage ones (but 1F1B) only with -m slow, to keep the suite short.
-    slow = batch_wgrad and stages == 4 and (schedule, recompute) != ("1f1b", False)
+    # by default, the 4-stage ones (but 1F1B) only with -m slow, to keep the suite short;
+    # so does recomputation at 4 stages (every schedule recomputes at 2 by default).
+    slow = (batch_wgrad and stages == 4 and (schedule, recompute) != ("1f1b", False)) or (
+        recompute and stages == 4
+    )
     return pytest.param(
         schedule,
         stages,
