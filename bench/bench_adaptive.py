@@ -475,9 +475,13 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "ppo": ("live", "ppo"),
     "threshold": ("live", "threshold"),
     "restart": ("restart", "threshold"),
+    "ppo_norecall": ("live", "ppo"),
+    "threshold_norecall": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
-plan, which a controller that never moves trains: its runs are the initial plan's)."""
+plan, which a controller that never moves trains: its runs are the initial plan's).
+``*_norecall``: the same with ``[adapt].recall = false`` (no memory of what the
+partitions held measured, `adaptipe.controllers.recall`)."""
 
 
 def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:
@@ -486,7 +490,8 @@ def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:
     `ORACLE_LAG` iterations after it begins (what knowing the scenario buys)."""
     if method != "oracle":
         how, name = CONTROLLERS[method]
-        return {"method": how, "controller": name, **CONTROLLER}
+        recall = {"recall": False} if method.endswith("_norecall") else {}
+        return {"method": how, "controller": name, **CONTROLLER, **recall}
     moves, cut = [], best["before"]
     for p, rng in s.phases.items():
         if p != "before" and best[p] != cut:

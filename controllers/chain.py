@@ -56,6 +56,7 @@ from adaptipe.controllers.base import Decision
 from adaptipe.controllers.candidates import score, top_k
 from adaptipe.controllers.encode import encode
 from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.recall import Recall
 from adaptipe.controllers.replan import predicted_time, stage_slowdowns
 from adaptipe.errors import PlanError
 
@@ -171,8 +172,10 @@ class Chain:
         why: Sequence[str] = (),
         switch_folder: Path | None = None,
         min_gain: float = MIN_GAIN,
+        recall: Recall | None = None,
     ) -> None:
         self.policy, self.predictor, self.interference = policy, predictor, interference
+        self.recall = recall
         self.min_gain = min_gain
         self.switch_folder = switch_folder
         self.tuner, self.k, self.why = tuner, candidates, list(why)
@@ -194,6 +197,10 @@ class Chain:
         fallbacks = list(self.why)
         slow, info = self._slowdowns(obs, fallbacks)
         found = top_k(obs, slow, self.k)
+        if self.recall is not None:  # measured partitions are candidates too
+            have = {b for b, _ in found} | {tuple(obs.bounds)}
+            extra = [b for b in self.recall.known(obs) if b not in have]
+            found = [*found, *score(obs, extra, slow)] if extra else found
         info["fallbacks"] = fallbacks
         if self.tuner is not None:
             info["online"] = self.tuner.summary()
@@ -208,6 +215,14 @@ class Chain:
         else:
             info["ranked_by"] = "predictor"
         now_s, cand_s = predicted[0], predicted[1:]
+        if self.recall is not None:
+            self.recall.observe(obs, now_s)
+            cand_s = [self.recall.corrected(obs, b, t) for b, t in zip(cands, cand_s, strict=True)]
+            info["recalled_ratios"] = {  # measured over predicted, where held
+                ",".join(map(str, b)): round(r, 4)
+                for b in (obs.bounds, *cands)
+                if (r := self.recall.ratio(b, obs.microbatches)) is not None
+            }
         best = min(range(len(cands)), key=lambda i: (cand_s[i], cands[i]))
         gain = now_s - cand_s[best]
         info |= {
@@ -304,8 +319,15 @@ class Chain:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"online": self.tuner.state_dict()} if self.tuner is not None else {}
+        out: dict[str, Any] = {}
+        if self.tuner is not None:
+            out["online"] = self.tuner.state_dict()
+        if self.recall is not None:
+            out["recall"] = self.recall.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.tuner is not None and isinstance(state.get("online"), dict):
             self.tuner.load_state_dict(state["online"])
+        if self.recall is not None and isinstance(state.get("recall"), dict):
+            self.recall.load_state_dict(state["recall"])

@@ -32,6 +32,7 @@ from typing import Any
 
 from adaptipe.controllers.base import Controller, Keep
 from adaptipe.controllers.observation import Observation, observe
+from adaptipe.controllers.recall import Recall
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
 from adaptipe.errors import PlanError
@@ -65,7 +66,7 @@ def from_settings(
             max_per_hour=adapt.max_per_hour,
             horizon=adapt.horizon,
         )
-        return Threshold(settings)
+        return Threshold(settings, recall=Recall() if adapt.recall else None)
     if adapt.controller == "ppo":
         return _chain(adapt, stages=stages, run_root=run_root)
     if adapt.controller in ("always_best", "straggler", "stale"):
@@ -128,6 +129,7 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
         why=why,
         switch_folder=folder,
         min_gain=max(MIN_GAIN, adapt.margin / (1.0 + adapt.margin)),
+        recall=Recall() if adapt.recall else None,
     )
 
 

@@ -18,6 +18,10 @@ measured iteration time is reported beside them. It moves when
 - no move came in the last ``cooldown`` iterations and fewer than ``max_per_hour``
   moves in the last hour.
 
+With a `Recall` (live runs, ``[adapt].recall``) the partitions the run has held are
+ranked beside the planner's best at what they measured (`adaptipe.controllers.recall`):
+the best is the least of them, and a move back to one is judged by the same rules.
+
 Every decision says why, with the numbers it compared.
 """
 
@@ -33,6 +37,7 @@ from typing import Any
 
 from adaptipe.controllers.base import Decision
 from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.recall import Recall
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.errors import PlanError
 from adaptipe.sim.migration import MigrationCost, moved_layers
@@ -62,7 +67,8 @@ class ThresholdSettings:
 
 
 class Threshold:
-    """See the module doc. ``clock`` (seconds) counts moves per hour."""
+    """See the module doc. ``clock`` (seconds) counts moves per hour; ``recall``
+    remembers what the partitions held measured (None: the planner alone)."""
 
     name = "threshold"
 
@@ -72,8 +78,10 @@ class Threshold:
         *,
         cost: MigrationCost | None = None,
         clock: Callable[[], float] = time.monotonic,
+        recall: Recall | None = None,
     ) -> None:
         self.settings, self._clock = settings, clock
+        self.recall = recall
         self.cost = cost if cost is not None else MigrationCost()
         self._over = 0  # consecutive checks over the margin
         self._last_move: int | None = None  # iteration of the last move
@@ -89,11 +97,15 @@ class Threshold:
         # the planner's cycle per micro-batch, times the micro-batches: an iteration
         best *= obs.microbatches
         current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
+        recalled = ""
+        if self.recall is not None:
+            self.recall.observe(obs, current)
+            bounds, best, recalled = self._recalled(obs, slow, bounds, best)
         ratio = current / best if best > 0 else math.inf
         self._over = self._over + 1 if ratio > 1 + s.margin else 0
         seen = (
             f"in force {current * 1e3:.1f} ms (iteration measured {measured * 1e3:.1f} ms), "
-            f"best {bounds} predicted {best * 1e3:.1f} ms"
+            f"best {bounds} predicted {best * 1e3:.1f} ms{recalled}"
         )
         if self._over < s.patience:
             return Decision(reason=f"{seen}: within the margin {self._over}/{s.patience} checks")
@@ -127,11 +139,14 @@ class Threshold:
         """Checks over the margin, the last move, the moves of the last hour (as ages, so
         a resume in another process counts them from its own clock)."""
         now = self._clock()
-        return {
+        out: dict[str, Any] = {
             "over": self._over,
             "last_move": self._last_move,
             "move_ages_s": [now - t for t in self._moves],
         }
+        if self.recall is not None:
+            out["recall"] = self.recall.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         now = self._clock()
@@ -139,6 +154,28 @@ class Threshold:
         last = state.get("last_move")
         self._last_move = int(last) if last is not None else None
         self._moves = deque(now - float(age) for age in state.get("move_ages_s", []))
+        if self.recall is not None and isinstance(state.get("recall"), dict):
+            self.recall.load_state_dict(state["recall"])
+
+    def _recalled(
+        self, obs: Observation, slow: tuple[float, ...], bounds: tuple[int, ...], best: float
+    ) -> tuple[tuple[int, ...], float, str]:
+        """The best of the planner's best and the partitions `Recall` measured, each at
+        its prediction corrected by what it measured (`Recall.corrected`); and a note
+        for the reason when a correction changed the planner's figure."""
+        assert self.recall is not None
+        options = {bounds: best}
+        for known in self.recall.known(obs):
+            options[known] = predicted_time(obs, known, slow) * obs.microbatches
+        scored = {b: self.recall.corrected(obs, b, t) for b, t in options.items()}
+        pick = min(scored, key=lambda b: (scored[b], b))
+        if pick == bounds and scored[pick] == best:
+            return bounds, best, ""
+        note = (
+            f" (recalled: the planner's best {bounds} {best * 1e3:.1f} ms, "
+            f"{scored[bounds] * 1e3:.1f} ms by what it measured)"
+        )
+        return pick, scored[pick], note
 
     def _stall(self, obs: Observation, bounds: tuple[int, ...]) -> float:
         moving = moved_layers(obs.bounds, bounds)

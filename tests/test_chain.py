@@ -19,6 +19,7 @@ from adaptipe.controllers.chain import RISE, Chain, combine
 from adaptipe.controllers.live import LiveDecider, from_settings
 from adaptipe.controllers.live import decider as live_decider
 from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.recall import Recall
 from adaptipe.monitor.features import FEATURES
 from adaptipe.monitor.schema import Record, StageStats
 from adaptipe.plan.partition import Partition
@@ -99,6 +100,22 @@ def test_a_slowed_stage_loses_layers_and_a_quiet_pipeline_keeps(chain: Chain) ->
     gain = said["in_force_predicted_ms"] - predicted[decision.bounds]
     assert gain == pytest.approx(said["predicted_gain_ms"], abs=2e-3) and gain > 0
     assert decision.predicted_gain_s == pytest.approx(gain / 1e3, abs=1e-5)
+
+
+def test_a_partition_held_before_is_ranked_at_what_it_measured(chain: Chain) -> None:
+    # (0, 5, 8, 12, 16) predicted within the margin of the quiet cut, and measured 1.5x
+    # its prediction; the quiet cut had measured about its own
+    near = (0, 5, 8, 12, 16)
+    blind = Chain(chain.policy, predictor=chain.predictor)
+    assert not blind.explain(make_obs([[1.0] * 4] * 8, bounds=near, overhead=1.5))[0].moves
+    recall = Recall(min_checks=1)
+    seen = Chain(chain.policy, predictor=chain.predictor, recall=recall)
+    seen.explain(make_obs([[1.0] * 4] * 8))
+    decision, said = seen.explain(make_obs([[1.0] * 4] * 8, bounds=near, overhead=1.5))
+    assert decision.bounds == QUIET
+    ratios = said["recalled_ratios"]
+    assert ratios["0,5,8,12,16"] / ratios["0,4,8,12,16"] == pytest.approx(1.5, rel=0.02)
+    assert set(seen.state_dict()["recall"]["ratio"]) == {"0,4,8,12,16/8", "0,5,8,12,16/8"}
 
 
 def test_the_slowdowns_rule_measured_stale_and_anticipated() -> None:

@@ -33,6 +33,9 @@
     cooldown = 20            # iterations after a move before the next (every controller)
     max_per_hour = 6         # threshold: at most this many moves an hour
     horizon = 100            # threshold: iterations a move's predicted gain counts over
+    recall = true            # threshold, ppo: rank a partition the run has held at what
+                             # it measured there (its model's error remembered,
+                             # `adaptipe.controllers.recall`)
     dry_run = false          # log the decisions, never act on them
     decide_timeout_s = 5.0   # a controller call longer than this is logged as timed out
     online = false           # ppo: fine-tune the speed predictor on the run's own
@@ -111,6 +114,7 @@ class AdaptSection:
     cooldown: int = 20
     max_per_hour: int = 6
     horizon: int = 100
+    recall: bool = True
     dry_run: bool = False
     decide_timeout_s: float = 5.0
     online: bool = False
@@ -128,6 +132,7 @@ class AdaptSection:
             "controller": self.controller,
             **{name: getattr(self, name) for name in _INTS},
             "margin": self.margin,
+            "recall": self.recall,
             "dry_run": self.dry_run,
             "decide_timeout_s": self.decide_timeout_s,
             "online": self.online,
@@ -156,6 +161,7 @@ def parse_adapt(
         "controller",
         *_INTS,
         "margin",
+        "recall",
         "dry_run",
         "decide_timeout_s",
         "online",
@@ -212,6 +218,7 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
             raw, "controller", source=source, prefix=p, choices=CONTROLLERS, default="none"
         ),
         "dry_run": get_bool(raw, "dry_run", source=source, prefix=p, default=False),
+        "recall": get_bool(raw, "recall", source=source, prefix=p, default=True),
     }
     for name, (default, low) in _INTS.items():
         out[name] = get_int(raw, name, source=source, prefix=p, minimum=low, default=default)

@@ -1,0 +1,145 @@
+"""`adaptipe.controllers.recall`: a controller remembers what the partitions it held
+measured against what its model said of them, and ranks them at that. On a pipeline
+whose last stage carries work the planner cannot see, the threshold rule without it
+moves to the planner's favourite, measures it slower and moves there again after every
+cooldown; with it, the rule moves back once and stays. After a slowdown ends it goes
+back to the partition that was best before, which the planner alone ranks within the
+margin."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.recall import Recall, measured_iteration_s
+from adaptipe.controllers.threshold import Threshold, ThresholdSettings
+from adaptipe.errors import PlanError
+
+WORK = (1e-3, 1e-3, 1e-3, 1e-3)  # per layer, forward + backward, as profiled
+WINDOW = 4
+
+
+def observe(
+    bounds: Sequence[int],
+    *,
+    first: int,
+    extra: Sequence[float] = (0.0, 2e-3),
+    slow: Sequence[float] = (1.0, 1.0),
+    microbatches: int = 1,
+) -> Observation:
+    """``WINDOW`` iterations from ``first`` under ``bounds``: stage ``s``'s layers at
+    ``slow[s]`` times their profile, and ``extra[s]`` seconds a micro-batch of work no
+    layer shows (a loss, an optimizer step: what the planner cannot see)."""
+    owner = [s for s in range(len(bounds) - 1) for _ in range(bounds[s], bounds[s + 1])]
+    layers = tuple(WORK[i] * slow[owner[i]] / 2 for i in range(len(WORK)))
+    stages = [
+        (slow[s] * sum(WORK[a:b]) + extra[s]) * microbatches
+        for s, (a, b) in enumerate(itertools.pairwise(bounds))
+    ]
+    row = (max(stages),) * (len(bounds) - 1)
+    return Observation(
+        iteration=first + WINDOW - 1,
+        bounds=tuple(bounds),
+        layer_forward_s=tuple(w / 2 for w in WORK),
+        layer_backward_s=tuple(w / 2 for w in WORK),
+        boundary_bytes=(0,) * len(WORK),
+        state_bytes=(1000,) * len(WORK),
+        iterations=tuple(range(first, first + WINDOW)),
+        measured_forward_s=(layers,) * WINDOW,
+        measured_backward_s=(layers,) * WINDOW,
+        stage_compute_s=(tuple(stages),) * WINDOW,
+        stage_iteration_s=(row,) * WINDOW,
+        microbatches=microbatches,
+    )
+
+
+def drive(threshold: Threshold, iterations: int, slow_from: int = 10**9, slow_to: int = 0) -> list:
+    """Run ``threshold`` on the pipeline of `observe`, starting at cut 3, one check an
+    iteration, taking each move at once; stage 0 is 3x slower in [slow_from, slow_to).
+    The partitions it moved to, with the iteration."""
+    bounds: tuple[int, ...] = (0, 3, 4)
+    since, moves = 0, []
+    for it in range(WINDOW, iterations):
+        if it - since < WINDOW:
+            continue
+        slow = (3.0, 1.0) if slow_from <= it < slow_to else (1.0, 1.0)
+        decision = threshold.decide(observe(bounds, first=it - WINDOW + 1, slow=slow))
+        if decision.bounds is not None:
+            bounds, since = decision.bounds, it
+            moves.append((it, bounds))
+    return moves
+
+
+SETTINGS = ThresholdSettings(margin=0.2, patience=2, cooldown=6, horizon=100)
+
+
+def test_measured_iteration_is_the_median_of_the_slowest_stage() -> None:
+    obs = observe((0, 2, 4), first=0)
+    assert measured_iteration_s(obs) == pytest.approx(4e-3)  # stage 1: 2 ms + 2 ms extra
+
+
+def test_a_ratio_counts_after_min_checks_and_follows_the_measurements() -> None:
+    recall = Recall(weight=0.5, min_checks=2)
+    obs = observe((0, 2, 4), first=0)  # measures 4 ms
+    assert recall.observe(obs, 2e-3) == pytest.approx(2.0)
+    assert recall.ratio((0, 2, 4), 1) is None  # one check: not yet
+    assert recall.observe(obs, 4e-3) == pytest.approx(1.5)  # 2 + 0.5 * (1 - 2)
+    assert recall.ratio((0, 2, 4), 1) == pytest.approx(1.5)
+    assert recall.ratio((0, 2, 4), 2) is None  # another block count: another key
+    assert recall.known(obs) == [(0, 2, 4)]
+    assert recall.observe(obs, math.inf) is None and recall.observe(obs, 0.0) is None
+
+
+def test_a_correction_compares_what_the_partitions_measured() -> None:
+    recall = Recall(min_checks=1)
+    at2, at3 = observe((0, 2, 4), first=0), observe((0, 3, 4), first=0)
+    recall.observe(at2, 2e-3)  # measured 4 ms: 2x the prediction
+    assert recall.corrected(at2, (0, 3, 4), 3e-3) == 3e-3  # cut 3 never held: as predicted
+    recall.observe(at3, 3e-3)  # measured 3 ms: as predicted
+    assert recall.corrected(at3, (0, 2, 4), 2e-3) == pytest.approx(4e-3)
+    # in cut 2's frame (2 ms predicted for its 4 measured) cut 3 is 1.5: their 4:3
+    assert recall.corrected(at2, (0, 3, 4), 3e-3) == pytest.approx(1.5e-3)
+    assert recall.corrected(at2, (0, 2, 4), 2e-3) == 2e-3  # in force: unchanged
+
+
+def test_state_round_trips_and_bad_settings_are_refused() -> None:
+    recall = Recall(min_checks=1)
+    recall.observe(observe((0, 2, 4), first=0), 2e-3)
+    again = Recall(min_checks=1)
+    again.load_state_dict(recall.state_dict())
+    assert again.ratio((0, 2, 4), 1) == recall.ratio((0, 2, 4), 1) == pytest.approx(2.0)
+    with pytest.raises(PlanError, match="weight"):
+        Recall(weight=0.0)
+
+
+# Cut 3 measures 3 ms (stage 1's unseen 2 ms beside one layer), cut 2 4 ms; the planner,
+# blind to the 2 ms, ranks cut 2 at 2 ms against cut 3's 3.
+
+
+def test_without_recall_the_rule_stays_on_the_planners_favourite() -> None:
+    assert drive(Threshold(SETTINGS), 80) == [(5, (0, 2, 4))]
+
+
+def test_with_recall_the_rule_moves_back_once_and_stays() -> None:
+    threshold = Threshold(SETTINGS, recall=Recall())
+    assert drive(threshold, 80) == [(5, (0, 2, 4)), (11, (0, 3, 4))]
+    kept = threshold.decide(observe((0, 3, 4), first=90))
+    assert kept.bounds is None
+    assert (
+        "recalled: the planner's best (0, 2, 4) 2.0 ms, 4.0 ms by what it measured" in kept.reason
+    )
+
+
+def test_after_a_slowdown_ends_recall_goes_back_to_the_best_partition_before_it() -> None:
+    # stage 0 3x slower in [40, 80): cut 1 is best (5 ms against cut 3's 9); after it
+    # cut 3 is best again (3 ms), cut 2 takes 4 ms and the planner ranks cut 2 first
+    with_recall = drive(Threshold(SETTINGS, recall=Recall()), 120, slow_from=40, slow_to=80)
+    without = drive(Threshold(SETTINGS), 120, slow_from=40, slow_to=80)
+    assert [b for it, b in with_recall if 40 <= it < 80] == [(0, 1, 4)]
+    assert [b for it, b in without if 40 <= it < 80] == [(0, 1, 4)]
+    assert with_recall[-1][1] == (0, 3, 4) and with_recall[-1][0] >= 80
+    assert without[-1][1] == (0, 2, 4) and without[-1][0] >= 80
