@@ -477,11 +477,16 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "restart": ("restart", "threshold"),
     "ppo_norecall": ("live", "ppo"),
     "threshold_norecall": ("live", "threshold"),
+    "ppo_measured": ("live", "ppo"),
+    "threshold_measured": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
 plan, which a controller that never moves trains: its runs are the initial plan's).
 ``*_norecall``: the same with ``[adapt].recall = false`` (no memory of what the
-partitions held measured, `adaptipe.controllers.recall`)."""
+partitions held measured, `adaptipe.controllers.recall`); ``*_measured``: with
+``[adapt].baseline = "measured"`` (slowdowns against the layers as the run measured
+them, not the profile)."""
+VARIANTS = {"_norecall": {"recall": False}, "_measured": {"baseline": "measured"}}
 
 
 def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:
@@ -490,8 +495,8 @@ def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:
     `ORACLE_LAG` iterations after it begins (what knowing the scenario buys)."""
     if method != "oracle":
         how, name = CONTROLLERS[method]
-        recall = {"recall": False} if method.endswith("_norecall") else {}
-        return {"method": how, "controller": name, **CONTROLLER, **recall}
+        extra = next((v for k, v in VARIANTS.items() if method.endswith(k)), {})
+        return {"method": how, "controller": name, **CONTROLLER, **extra}
     moves, cut = [], best["before"]
     for p, rng in s.phases.items():
         if p != "before" and best[p] != cut:

@@ -199,7 +199,7 @@ class Chain:
         found = top_k(obs, slow, self.k)
         if self.recall is not None:  # measured partitions are candidates too
             have = {b for b, _ in found} | {tuple(obs.bounds)}
-            extra = [b for b in self.recall.known(obs) if b not in have]
+            extra = [b for b in self.recall.known(obs, slow) if b not in have]
             found = [*found, *score(obs, extra, slow)] if extra else found
         info["fallbacks"] = fallbacks
         if self.tuner is not None:
@@ -216,13 +216,13 @@ class Chain:
             info["ranked_by"] = "predictor"
         now_s, cand_s = predicted[0], predicted[1:]
         if self.recall is not None:
-            self.recall.observe(obs, now_s)
-            cand_s = [self.recall.corrected(obs, b, t) for b, t in zip(cands, cand_s, strict=True)]
-            info["recalled_ratios"] = {  # measured over predicted, where held
-                ",".join(map(str, b)): round(r, 4)
-                for b in (obs.bounds, *cands)
-                if (r := self.recall.ratio(b, obs.microbatches)) is not None
-            }
+            self.recall.observe(obs, slow)
+            cand_s = [
+                self.recall.corrected(obs, b, t, in_force_s=now_s, slowdowns=slow)
+                for b, t in zip(cands, cand_s, strict=True)
+            ]
+            # what the partitions held under these conditions measured (ms)
+            info["recalled_ms"] = self.recall.measured(obs, slow)
         best = min(range(len(cands)), key=lambda i: (cand_s[i], cands[i]))
         gain = now_s - cand_s[best]
         info |= {

@@ -9,14 +9,20 @@ The verdict carries what it decided on: the measured iteration time, the best
 partition DynPipe's planner predicts on the measured slowdowns, and those slowdowns;
 the chain adds what each of its models said (``inputs["chain"]``).
 
-The per-layer baseline is the run's ``profile.json`` when it has one. A run planned
-without a profile (an even or a given partition) has none; profiling the model in the
-manager would compete with the workers for the cores, so the loop measures one: it
-keeps the partition for the first two windows (the first has the warm-up in it) and
-takes the second as the baseline, per layer the median of the measured forward and
-backward seconds. Its bytes (a boundary's activations and gradients per micro-batch,
-parameters and optimizer state) come from the layers' shapes alone, on PyTorch's meta
-device (no compute). Slowdowns are then relative to how the run went before.
+The per-layer baseline is the run's ``profile.json`` when it has one and
+``[adapt].baseline`` is ``"profile"`` (the default). A run planned without a profile
+(an even or a given partition) has none; profiling the model in the manager would
+compete with the workers for the cores, so the loop measures one: it keeps the
+partition for the first two windows (the first has the warm-up in it) and takes the
+second as the baseline, per layer the median of the measured forward and backward
+seconds. Its bytes (a boundary's activations and gradients per micro-batch, parameters
+and optimizer state) come from the profile where there is one, else from the layers'
+shapes alone, on PyTorch's meta device (no compute). Slowdowns are then relative to how
+the run went before. ``baseline = "measured"`` measures it on a profiled run too: a
+profile taken alone misjudges layers as a pipeline runs them (on bench_adaptive's CNN
+its last two layers ran at 1.2x their profile and the first four at 0.7-0.8x, which the
+planner read as a slower last stage), at the price of not seeing a stage that was slow
+from the start.
 """
 
 from __future__ import annotations
@@ -210,6 +216,9 @@ class LiveDecider:
             logged = inputs(obs) | {"chain": said}
         else:
             decision, logged = self.controller.decide(obs), inputs(obs)
+            recall = getattr(self.controller, "recall", None)
+            if isinstance(recall, Recall):  # what the partitions held here measured (ms)
+                logged["recalled_ms"] = recall.measured(obs, stage_slowdowns(obs))
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)
 
     def _same_blocks(
@@ -235,12 +244,17 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
     profile = (
         load_json_file(run.profile_json, Profile.from_json) if run.profile_json.exists() else None
     )
+    measured = profile is None or cfg.adapt.baseline == "measured"
+    # the bytes: the profile's, else from the layers' shapes; the seconds are measured
+    sizes = (
+        (list(profile.layers) if profile is not None else layer_sizes(cfg)) if measured else None
+    )
     return LiveDecider(
         from_settings(cfg.adapt, stages=cfg.pipeline.stages, run_root=run.root),
-        profile,
+        None if measured else profile,
         window=cfg.adapt.window,
         workers=cfg.pipeline.stages,
-        sizes=layer_sizes(cfg) if profile is None else None,
+        sizes=sizes,
         microbatches=blocks_per_iteration(cfg, profile),
         blocks_of=_blocks_by_version(run, cfg, profile) if cfg.sweep is not None else None,
     )

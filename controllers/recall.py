@@ -1,24 +1,29 @@
-"""What the partitions a run has held measured, beside what a controller's model said of
-them: a controller's memory of its own errors (issue 22, the "after" phase).
+"""What the partitions a run has held measured, under which conditions: a controller's
+memory of partitions it has run (issue 22, the "after" phase).
 
 A controller ranks partitions with a model (DynPipe's planner on measured slowdowns for
 the threshold rule; the speed predictor for the learned chain). The model leaves out
-what it cannot see (a stage's loss, its optimizer step, waits), and on the 2-stage CNN of
-``bench/bench_adaptive.py`` that put neighbouring cuts up to about 20% apart from what
-they measured: once a slowdown ended, going back to the partition that was best before
-it (27% faster on the job-array) read as within the margin, and no controller moved
-back.
+what it cannot see (a stage's loss, its optimizer step, waits, layers that run slower
+than their profile in the pipeline), and on the 2-stage CNN of
+``bench/bench_adaptive.py`` that put neighbouring cuts up to about 20% away from what
+they measured: once a slowdown ended, going back to the partition that had been best
+before it (27% faster on the job-array) read as within the margin, and no controller
+went back. Its error also moves with the conditions: cut 3 measured 1.05-1.1x the
+planner's figure on a quiet machine and 1.6x with its last stage slowed 3x, while cut 4
+read 1.2-1.3x in both; a stage's measured slowdown carries what its layers' profile
+misjudges (the CNN's last two layers ran at 1.2x their profile), so the planner's
+figure for a partition shifts with which layers the stage in force holds.
 
-`Recall` keeps, per partition a controller has seen in force (and per blocks an
-iteration, which a successive-halving rung changes), the moving mean of the measured
-iteration seconds over what the controller predicted for it at the same check: the
-model's error there, as a ratio. A candidate the run has measured is then ranked at its
-prediction times its own ratio over the ratio of the partition in force; a candidate
-never held keeps its prediction (it shares the in-force partition's error, as before).
-The comparison stays in the model's frame, so with nothing remembered every decision is
-what it was without `Recall`; and as ratios, the in-force partition against a measured
-candidate compares what each measured, each moved by what the model says changed since
-(an additive error would not: in the model's frame it can take a candidate below zero).
+`Recall` keeps what a partition measured instead: per partition a controller has seen
+in force (and per blocks an iteration, which a successive-halving rung changes) and per
+conditions (the per-stage slowdowns the check measured), the moving mean of the
+measured iteration seconds. A later check whose slowdowns are each within
+``tolerance`` (a factor) of an entry's is under the same conditions, and a partition
+held under them is ranked at what it measured there against what the partition in
+force measures now; a partition never held under them keeps the model's figure, as
+before. The comparison is made in the model's frame (the candidate at the in-force
+prediction times the two measurements' ratio), so with nothing remembered every
+decision is what it was without `Recall`.
 """
 
 from __future__ import annotations
@@ -47,71 +52,145 @@ def _key(bounds: Sequence[int], microbatches: int) -> str:
 
 
 @dataclass(slots=True)
+class _Entry:
+    slowdowns: tuple[float, ...]  # the conditions: per-stage slowdowns, moving mean
+    seconds: float  # the measured iteration, moving mean
+    checks: int = 1
+
+    def near(self, slowdowns: Sequence[float]) -> float:
+        """How far ``slowdowns`` are (the largest factor between two stages' values);
+        inf when the stage counts differ."""
+        if len(slowdowns) != len(self.slowdowns):
+            return math.inf
+        return max(
+            (max(a, b) / min(a, b) if min(a, b) > 0 else math.inf)
+            for a, b in zip(slowdowns, self.slowdowns, strict=True)
+        )
+
+
+@dataclass(slots=True)
 class Recall:
-    """Per (partition, blocks an iteration): the exponential moving mean of measured
-    over predicted seconds an iteration, over the checks it was in force. ``weight``:
-    the newest check's share; a ratio counts once ``min_checks`` checks made it."""
+    """Per (partition, blocks an iteration) and conditions (`_Entry`): the exponential
+    moving mean of the measured iteration seconds over the checks it was in force.
+    ``weight``: the newest check's share; an entry counts once ``min_checks`` checks made
+    it; ``tolerance``: the largest factor between two checks' slowdowns of a stage for
+    one entry to serve both; at most ``entries`` conditions a partition (the oldest go)."""
 
     weight: float = 0.5
     min_checks: int = 2
-    _ratio: dict[str, float] = field(default_factory=dict)
-    _checks: dict[str, int] = field(default_factory=dict)
+    tolerance: float = 1.25
+    entries: int = 8
+    _seen: dict[str, list[_Entry]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0 < self.weight <= 1 or self.min_checks < 1:
+        if not 0 < self.weight <= 1 or self.min_checks < 1 or self.entries < 1:
             raise PlanError(
-                f"recall: weight in (0, 1] and min_checks >= 1 (got {self.weight}, "
-                f"{self.min_checks})"
+                f"recall: weight in (0, 1], min_checks >= 1 and entries >= 1 (got "
+                f"{self.weight}, {self.min_checks}, {self.entries})"
             )
+        if not self.tolerance >= 1:
+            raise PlanError(f"recall: tolerance must be >= 1 (got {self.tolerance})")
 
-    def observe(self, obs: Observation, predicted_s: float) -> float | None:
-        """Record the partition in force: the window's measured iteration against
-        ``predicted_s`` (the controller's seconds an iteration for it, now). Returns the
-        ratio, None when nothing was measured or the prediction is not finite and > 0."""
+    def _entry(self, key: str, slowdowns: Sequence[float]) -> _Entry | None:
+        found = [(e.near(slowdowns), i, e) for i, e in enumerate(self._seen.get(key, []))]
+        found = [f for f in found if f[0] <= self.tolerance]
+        return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+
+    def observe(self, obs: Observation, slowdowns: Sequence[float]) -> float | None:
+        """Record the partition in force under ``slowdowns``: the window's measured
+        iteration (`measured_iteration_s`). Returns the entry's seconds, None when
+        nothing was measured."""
         measured = measured_iteration_s(obs)
-        if measured is None or not (math.isfinite(predicted_s) and predicted_s > 0):
+        if measured is None or not (math.isfinite(measured) and measured > 0):
             return None
         key = _key(obs.bounds, obs.microbatches)
-        error = measured / predicted_s
-        before = self._ratio.get(key)
-        now = error if before is None else before + self.weight * (error - before)
-        self._ratio[key] = now
-        self._checks[key] = self._checks.get(key, 0) + 1
-        return now
+        entry = self._entry(key, slowdowns)
+        if entry is None:
+            listed = self._seen.setdefault(key, [])
+            listed.append(_Entry(tuple(float(v) for v in slowdowns), measured))
+            del listed[: max(0, len(listed) - self.entries)]
+            return measured
+        w = self.weight
+        entry.seconds += w * (measured - entry.seconds)
+        entry.slowdowns = tuple(
+            a + w * (b - a) for a, b in zip(entry.slowdowns, slowdowns, strict=True)
+        )
+        entry.checks += 1
+        return entry.seconds
 
-    def ratio(self, bounds: Sequence[int], microbatches: int) -> float | None:
-        """Measured over predicted for ``bounds`` at ``microbatches`` blocks, None until
-        it counts."""
-        key = _key(bounds, microbatches)
-        if self._checks.get(key, 0) < self.min_checks:
-            return None
-        return self._ratio[key]
+    def seconds(
+        self, bounds: Sequence[int], microbatches: int, slowdowns: Sequence[float]
+    ) -> float | None:
+        """What ``bounds`` measured an iteration at ``microbatches`` blocks under
+        conditions near ``slowdowns``; None until such an entry counts."""
+        entry = self._entry(_key(bounds, microbatches), slowdowns)
+        return entry.seconds if entry is not None and entry.checks >= self.min_checks else None
 
-    def corrected(self, obs: Observation, bounds: Sequence[int], predicted_s: float) -> float:
-        """``predicted_s`` for ``bounds`` times its own ratio over the in-force
-        partition's (the model's frame); unchanged unless both count."""
-        mine = self.ratio(bounds, obs.microbatches)
-        ours = self.ratio(obs.bounds, obs.microbatches)
-        if mine is None or ours is None or tuple(bounds) == tuple(obs.bounds):
+    def corrected(
+        self,
+        obs: Observation,
+        bounds: Sequence[int],
+        predicted_s: float,
+        *,
+        in_force_s: float,
+        slowdowns: Sequence[float],
+    ) -> float:
+        """The model's ``predicted_s`` for ``bounds``, or, where ``bounds`` was held under
+        conditions near ``slowdowns``, the in-force partition's model figure
+        ``in_force_s`` times what ``bounds`` measured over what the partition in force
+        measures now (the model's frame)."""
+        if tuple(bounds) == tuple(obs.bounds):
             return predicted_s
-        return predicted_s * mine / ours
+        then = self.seconds(bounds, obs.microbatches, slowdowns)
+        now = measured_iteration_s(obs)
+        if then is None or now is None or not now > 0 or not math.isfinite(in_force_s):
+            return predicted_s
+        return in_force_s * then / now
 
-    def known(self, obs: Observation) -> list[tuple[int, ...]]:
-        """The partitions of ``obs``'s stage count and blocks whose ratio counts."""
+    def known(self, obs: Observation, slowdowns: Sequence[float]) -> list[tuple[int, ...]]:
+        """The partitions of ``obs``'s stage count and blocks, other than the one in
+        force, held under conditions near ``slowdowns``."""
         out = []
         suffix = f"/{obs.microbatches}"
-        for key, checks in self._checks.items():
-            if checks >= self.min_checks and key.endswith(suffix):
-                bounds = tuple(int(b) for b in key[: -len(suffix)].split(","))
-                if len(bounds) == obs.num_stages + 1 and bounds[-1] == obs.num_layers:
-                    out.append(bounds)
+        for key in self._seen:
+            if not key.endswith(suffix):
+                continue
+            bounds = tuple(int(b) for b in key[: -len(suffix)].split(","))
+            if len(bounds) != obs.num_stages + 1 or bounds[-1] != obs.num_layers:
+                continue
+            seen = self.seconds(bounds, obs.microbatches, slowdowns)
+            if bounds != tuple(obs.bounds) and seen is not None:
+                out.append(bounds)
         return sorted(out)
 
+    def measured(self, obs: Observation, slowdowns: Sequence[float]) -> dict[str, float]:
+        """For the logs: milliseconds an iteration each partition held under conditions
+        near ``slowdowns`` measured (``"0,3,6"``: ms), the one in force included."""
+        out = {}
+        for b in sorted({*self.known(obs, slowdowns), tuple(obs.bounds)}):
+            got = self.seconds(b, obs.microbatches, slowdowns)
+            if got is not None:
+                out[",".join(map(str, b))] = round(got * 1e3, 3)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"ratio": dict(self._ratio), "checks": dict(self._checks)}
+        return {
+            key: [
+                {"slowdowns": list(e.slowdowns), "seconds": e.seconds, "checks": e.checks}
+                for e in listed
+            ]
+            for key, listed in self._seen.items()
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        ratio = state.get("ratio", {})
-        checks = state.get("checks", {})
-        self._ratio = {str(k): float(v) for k, v in ratio.items() if float(v) > 0}
-        self._checks = {str(k): int(v) for k, v in checks.items() if k in self._ratio}
+        self._seen = {
+            str(key): [
+                _Entry(
+                    tuple(float(v) for v in e["slowdowns"]), float(e["seconds"]), int(e["checks"])
+                )
+                for e in listed
+                if float(e["seconds"]) > 0
+            ]
+            for key, listed in state.items()
+            if isinstance(listed, list)
+        }

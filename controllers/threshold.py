@@ -99,8 +99,8 @@ class Threshold:
         current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
         recalled = ""
         if self.recall is not None:
-            self.recall.observe(obs, current)
-            bounds, best, recalled = self._recalled(obs, slow, bounds, best)
+            self.recall.observe(obs, slow)
+            bounds, best, recalled = self._recalled(obs, slow, bounds, best, current)
         ratio = current / best if best > 0 else math.inf
         self._over = self._over + 1 if ratio > 1 + s.margin else 0
         seen = (
@@ -158,16 +158,25 @@ class Threshold:
             self.recall.load_state_dict(state["recall"])
 
     def _recalled(
-        self, obs: Observation, slow: tuple[float, ...], bounds: tuple[int, ...], best: float
+        self,
+        obs: Observation,
+        slow: tuple[float, ...],
+        bounds: tuple[int, ...],
+        best: float,
+        current: float,
     ) -> tuple[tuple[int, ...], float, str]:
-        """The best of the planner's best and the partitions `Recall` measured, each at
-        its prediction corrected by what it measured (`Recall.corrected`); and a note
-        for the reason when a correction changed the planner's figure."""
+        """The best of the planner's best and the partitions held under these conditions
+        (`Recall.known`), those at what they measured against what the partition in force
+        measures now (`Recall.corrected`); and a note for the reason when that changed the
+        planner's figure."""
         assert self.recall is not None
         options = {bounds: best}
-        for known in self.recall.known(obs):
+        for known in self.recall.known(obs, slow):
             options[known] = predicted_time(obs, known, slow) * obs.microbatches
-        scored = {b: self.recall.corrected(obs, b, t) for b, t in options.items()}
+        scored = {
+            b: self.recall.corrected(obs, b, t, in_force_s=current, slowdowns=slow)
+            for b, t in options.items()
+        }
         pick = min(scored, key=lambda b: (scored[b], b))
         if pick == bounds and scored[pick] == best:
             return bounds, best, ""

@@ -1,5 +1,5 @@
 """`adaptipe.controllers.recall`: a controller remembers what the partitions it held
-measured against what its model said of them, and ranks them at that. On a pipeline
+measured, under which conditions, and ranks them at that. On a pipeline
 whose last stage carries work the planner cannot see, the threshold rule without it
 moves to the planner's favourite, measures it slower and moves there again after every
 cooldown; with it, the rule moves back once and stays. After a slowdown ends it goes
@@ -9,7 +9,7 @@ margin."""
 from __future__ import annotations
 
 import itertools
-import math
+import json
 from collections.abc import Sequence
 
 import pytest
@@ -82,38 +82,64 @@ def test_measured_iteration_is_the_median_of_the_slowest_stage() -> None:
     assert measured_iteration_s(obs) == pytest.approx(4e-3)  # stage 1: 2 ms + 2 ms extra
 
 
-def test_a_ratio_counts_after_min_checks_and_follows_the_measurements() -> None:
+QUIET = (1.0, 1.0)
+
+
+def test_an_entry_counts_after_min_checks_and_follows_the_measurements() -> None:
     recall = Recall(weight=0.5, min_checks=2)
-    obs = observe((0, 2, 4), first=0)  # measures 4 ms
-    assert recall.observe(obs, 2e-3) == pytest.approx(2.0)
-    assert recall.ratio((0, 2, 4), 1) is None  # one check: not yet
-    assert recall.observe(obs, 4e-3) == pytest.approx(1.5)  # 2 + 0.5 * (1 - 2)
-    assert recall.ratio((0, 2, 4), 1) == pytest.approx(1.5)
-    assert recall.ratio((0, 2, 4), 2) is None  # another block count: another key
-    assert recall.known(obs) == [(0, 2, 4)]
-    assert recall.observe(obs, math.inf) is None and recall.observe(obs, 0.0) is None
+    at2 = observe((0, 2, 4), first=0)  # measures 4 ms
+    assert recall.observe(at2, QUIET) == pytest.approx(4e-3)
+    assert recall.seconds((0, 2, 4), 1, QUIET) is None  # one check: not yet
+    slower = observe((0, 2, 4), first=4, extra=(0.0, 4e-3))  # 6 ms
+    assert recall.observe(slower, QUIET) == pytest.approx(5e-3)  # 4 + 0.5 * (6 - 4)
+    assert recall.seconds((0, 2, 4), 1, QUIET) == pytest.approx(5e-3)
+    assert recall.seconds((0, 2, 4), 2, QUIET) is None  # another block count: another key
+    assert recall.measured(at2, QUIET) == {"0,2,4": 5.0}
+    assert recall.known(at2, QUIET) == []  # the partition in force is not a candidate
+    assert recall.known(observe((0, 3, 4), first=8), QUIET) == [(0, 2, 4)]
 
 
-def test_a_correction_compares_what_the_partitions_measured() -> None:
+def test_an_entry_serves_only_conditions_near_those_it_was_measured_under() -> None:
+    recall = Recall(min_checks=1, tolerance=1.25)
+    recall.observe(observe((0, 2, 4), first=0), QUIET)  # 4 ms
+    recall.observe(observe((0, 2, 4), first=0, slow=(1.0, 3.0)), (1.0, 3.0))  # 8 ms
+    assert recall.seconds((0, 2, 4), 1, (1.1, 0.9)) == pytest.approx(4e-3)
+    assert recall.seconds((0, 2, 4), 1, (1.0, 2.8)) == pytest.approx(8e-3)
+    assert recall.seconds((0, 2, 4), 1, (1.0, 1.8)) is None  # near neither
+    assert recall.known(observe((0, 3, 4), first=0), (1.0, 1.8)) == []
+    for k in range(10):  # at most `entries` conditions; the oldest go
+        recall.observe(observe((0, 2, 4), first=0), (1.0, 10.0 * 2**k))
+    assert recall.seconds((0, 2, 4), 1, QUIET) is None
+
+
+def test_a_partition_held_before_ranks_at_what_it_measured_against_the_one_in_force() -> None:
     recall = Recall(min_checks=1)
-    at2, at3 = observe((0, 2, 4), first=0), observe((0, 3, 4), first=0)
-    recall.observe(at2, 2e-3)  # measured 4 ms: 2x the prediction
-    assert recall.corrected(at2, (0, 3, 4), 3e-3) == 3e-3  # cut 3 never held: as predicted
-    recall.observe(at3, 3e-3)  # measured 3 ms: as predicted
-    assert recall.corrected(at3, (0, 2, 4), 2e-3) == pytest.approx(4e-3)
-    # in cut 2's frame (2 ms predicted for its 4 measured) cut 3 is 1.5: their 4:3
-    assert recall.corrected(at2, (0, 3, 4), 3e-3) == pytest.approx(1.5e-3)
-    assert recall.corrected(at2, (0, 2, 4), 2e-3) == 2e-3  # in force: unchanged
+    at2, at3 = observe((0, 2, 4), first=0), observe((0, 3, 4), first=0)  # 4 and 3 ms
+    recall.observe(at2, QUIET)
+    assert recall.corrected(at2, (0, 3, 4), 3e-3, in_force_s=2e-3, slowdowns=QUIET) == 3e-3
+    recall.observe(at3, QUIET)
+    # cut 2 in force, the planner's 2 ms for it: cut 3 at 2 ms times 3 over 4 measured
+    assert recall.corrected(
+        at2, (0, 3, 4), 3e-3, in_force_s=2e-3, slowdowns=QUIET
+    ) == pytest.approx(1.5e-3)
+    assert recall.corrected(
+        at3, (0, 2, 4), 2e-3, in_force_s=3e-3, slowdowns=QUIET
+    ) == pytest.approx(4e-3)
+    assert recall.corrected(at2, (0, 2, 4), 2e-3, in_force_s=2e-3, slowdowns=QUIET) == 2e-3
+    other = (3.0, 1.0)  # held under other conditions only: the model's figure
+    assert recall.corrected(at2, (0, 3, 4), 3e-3, in_force_s=2e-3, slowdowns=other) == 3e-3
 
 
 def test_state_round_trips_and_bad_settings_are_refused() -> None:
     recall = Recall(min_checks=1)
-    recall.observe(observe((0, 2, 4), first=0), 2e-3)
+    recall.observe(observe((0, 2, 4), first=0), QUIET)
     again = Recall(min_checks=1)
-    again.load_state_dict(recall.state_dict())
-    assert again.ratio((0, 2, 4), 1) == recall.ratio((0, 2, 4), 1) == pytest.approx(2.0)
+    again.load_state_dict(json.loads(json.dumps(recall.state_dict())))
+    assert again.seconds((0, 2, 4), 1, QUIET) == recall.seconds((0, 2, 4), 1, QUIET) == 4e-3
     with pytest.raises(PlanError, match="weight"):
         Recall(weight=0.0)
+    with pytest.raises(PlanError, match="tolerance"):
+        Recall(tolerance=0.5)
 
 
 # Cut 3 measures 3 ms (stage 1's unseen 2 ms beside one layer), cut 2 4 ms; the planner,

@@ -33,6 +33,10 @@
     cooldown = 20            # iterations after a move before the next (every controller)
     max_per_hour = 6         # threshold: at most this many moves an hour
     horizon = 100            # threshold: iterations a move's predicted gain counts over
+    baseline = "profile"     # what a stage's slowdown is measured against: the run's
+                             # profile, or each layer as this run measured it in its
+                             # second window (`adaptipe.controllers.live`); a run with no
+                             # profile measures it either way
     recall = true            # threshold, ppo: rank a partition the run has held at what
                              # it measured there (its model's error remembered,
                              # `adaptipe.controllers.recall`)
@@ -64,6 +68,7 @@ from adaptipe.errors import PlanError
 from adaptipe.serial import get_bool, get_float, get_int, get_list, get_str
 
 __all__ = [
+    "BASELINES",
     "CONTROLLERS",
     "METHODS",
     "STREAMERS",
@@ -77,6 +82,7 @@ METHODS = ("live", "checkpoint", "restart")
 TRANSFERS = ("auto", "stop_and_copy", "streamed")
 STREAMERS = ("auto", "thread", "process")
 CONTROLLERS = ("none", "threshold", "always_best", "straggler", "stale", "ppo")
+BASELINES = ("profile", "measured")
 # [adapt] integer fields of the controller loop: name -> (default, minimum)
 _INTS = {
     "check_every": (4, 1),
@@ -114,6 +120,7 @@ class AdaptSection:
     cooldown: int = 20
     max_per_hour: int = 6
     horizon: int = 100
+    baseline: str = "profile"
     recall: bool = True
     dry_run: bool = False
     decide_timeout_s: float = 5.0
@@ -132,6 +139,7 @@ class AdaptSection:
             "controller": self.controller,
             **{name: getattr(self, name) for name in _INTS},
             "margin": self.margin,
+            "baseline": self.baseline,
             "recall": self.recall,
             "dry_run": self.dry_run,
             "decide_timeout_s": self.decide_timeout_s,
@@ -161,6 +169,7 @@ def parse_adapt(
         "controller",
         *_INTS,
         "margin",
+        "baseline",
         "recall",
         "dry_run",
         "decide_timeout_s",
@@ -219,6 +228,9 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         ),
         "dry_run": get_bool(raw, "dry_run", source=source, prefix=p, default=False),
         "recall": get_bool(raw, "recall", source=source, prefix=p, default=True),
+        "baseline": get_str(
+            raw, "baseline", source=source, prefix=p, choices=BASELINES, default="profile"
+        ),
     }
     for name, (default, low) in _INTS.items():
         out[name] = get_int(raw, name, source=source, prefix=p, minimum=low, default=default)
