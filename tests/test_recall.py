@@ -169,3 +169,17 @@ def test_after_a_slowdown_ends_recall_goes_back_to_the_best_partition_before_it(
     assert [b for it, b in without if 40 <= it < 80] == [(0, 1, 4)]
     assert with_recall[-1][1] == (0, 3, 4) and with_recall[-1][0] >= 80
     assert without[-1][1] == (0, 2, 4) and without[-1][0] >= 80
+
+
+def test_the_threshold_rules_checkpointed_state_carries_what_it_measured() -> None:
+    first = Threshold(SETTINGS, recall=Recall())
+    assert drive(first, 20) == [(5, (0, 2, 4)), (11, (0, 3, 4))]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = Threshold(SETTINGS, recall=Recall())
+    resumed.load_state_dict(state)
+    at2 = observe((0, 2, 4), first=30)
+    assert resumed.recall is not None
+    assert resumed.recall.known(at2, QUIET) == [(0, 3, 4)]
+    fresh = Threshold(SETTINGS, recall=Recall())
+    assert "recalled" in resumed.decide(at2).reason
+    assert "recalled" not in fresh.decide(at2).reason
