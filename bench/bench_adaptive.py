@@ -19,6 +19,13 @@ iterations, out of ``--iterations``:
 - ``bandwidth_steps``: AutoPipe's bandwidth steps on the same bed: the link steps
   through ``--levels`` Mbit/s, evenly over the duration (one phase per step).
 
+Links are measured (``[train].link_telemetry``, which the controllers price moves and
+cuts with) on the bed only, unless ``--link-telemetry``: a run's default is off, and on
+this 2-core machine the passive measurement reads a loopback link at 20-70 MB/s (a
+send's completion is read up to a scheduler tick late, when the stages hold both
+cores), which made the planner price cut 3's boundary at 4 ms a block and move to
+cut 2 before any slowdown (session 19).
+
 Part 1, the static matrix: every cut point ``[0, k, 6]`` runs the scenario, and each
 phase's throughput (samples/s from ``metrics.jsonl``: samples over the summed spans,
 the first ``--settle`` iterations of a phase left out) is taken as a ratio to the
@@ -53,6 +60,7 @@ Prints one JSON object.
         [--jobs 1,4] [--rounds 2] [--controller-rounds 5] [--iterations 80] [--onset 20]
         [--duration 40] [--factor 3] [--hog-threads 2] [--rate 20] [--levels 20,200,10]
         [--link-rounds 1] [--initial K] [--controllers ppo,threshold,restart,oracle]
+        [--link-telemetry]
         [--min-idle 0.8] [--max-wait-s 120] [--run-invalid] [--keep DIR]
 
 Each round waits (at most ``--max-wait-s``) until the machine is ``--min-idle`` idle
@@ -281,6 +289,7 @@ class Setting:
     levels: tuple[Any, ...] = ()  # bandwidth_steps: the rate of each step ("20mbit", ...)
     jobs: int = 1  # > 1: a job-array of sibling learning rates (`LRS`)
     sweep_window: int = 1
+    link_telemetry: bool = False  # the controllers read the links (every run pays it)
     warmup: int = 3
     settle: int = 3
     window: int = 5
@@ -333,7 +342,7 @@ def _config(
             "seed": 0,
             "threads_per_stage": 1,
             "checkpoint_every": 0,
-            "link_telemetry": True,  # the controller reads the links (all runs pay it)
+            "link_telemetry": s.link_telemetry,
             "run_dir": str(run_dir),
         },
     }
@@ -708,6 +717,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep-window", type=int, default=1, help="the job-array's [sweep].window"
     )
+    parser.add_argument(
+        "--link-telemetry",
+        action="store_true",
+        help="[train].link_telemetry = true off the bed too (on the bed it always is; "
+        "elsewhere a run's default, off, prices every link as unmeasured)",
+    )
     parser.add_argument("--iterations", type=int, default=80)
     parser.add_argument("--onset", type=int, default=20)
     parser.add_argument("--duration", type=int, default=40, help="iterations the injection lasts")
@@ -789,6 +804,7 @@ def main() -> None:
         "settle": 3,
         "rolling_window": 5,
         "controller": CONTROLLER,
+        "link_telemetry": "every scenario" if args.link_telemetry else "the bed's scenarios",
         "rule": f"valid: the best static cut under the injection (in some step) differs from "
         f"the best before it and beats the initial plan by >= {MIN_GAIN:.0%} there",
         "target": f"within {TOLERANCE:.0%} of the best static partition within "
@@ -812,6 +828,7 @@ def main() -> None:
                 else (),
                 jobs=jobs,
                 sweep_window=args.sweep_window,
+                link_telemetry=args.link_telemetry or name in ON_BED,
                 scratch=scratch,
                 quiet_rule={"min_idle": args.min_idle, "max_wait_s": args.max_wait_s},
             )
