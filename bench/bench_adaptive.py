@@ -21,10 +21,9 @@ iterations, out of ``--iterations``:
 
 Links are measured (``[train].link_telemetry``, which the controllers price moves and
 cuts with) on the bed only, unless ``--link-telemetry``: a run's default is off, and on
-this 2-core machine the passive measurement reads a loopback link at 20-70 MB/s (a
-send's completion is read up to a scheduler tick late, when the stages hold both
-cores), which made the planner price cut 3's boundary at 4 ms a block and move to
-cut 2 before any slowdown (session 19).
+this 2-core machine the passive measurement reads a loopback link at 20-75 MB/s
+(docs/telemetry.md), which made the planner price cut 3's boundary at 4 ms a block and
+move to cut 2 before any slowdown (session 19).
 
 Part 1, the static matrix: every cut point ``[0, k, 6]`` runs the scenario, and each
 phase's throughput (samples/s from ``metrics.jsonl``: samples over the summed spans,
