@@ -87,6 +87,7 @@ def test_loader_workers_read_the_same_batches(tmp_path: Path) -> None:
     _bitwise(loaded, plain)
 
 
+@pytest.mark.slow  # 12 s; by default: a user model alone (above), zoo job-arrays as alone
 def test_each_job_of_an_array_is_bitwise_its_own_run(tmp_path: Path) -> None:
     cfg = _config(tmp_path, "array", data={"microbatches": 1})
     data = cfg.to_dict()
