@@ -16,9 +16,11 @@ figure for a partition shifts with which layers the stage in force holds.
 
 `Recall` keeps what a partition measured instead: per partition a controller has seen
 in force (and per blocks an iteration, which a successive-halving rung changes) and per
-conditions (the per-stage slowdowns the check measured), the moving mean of the
-measured iteration seconds. A later check whose slowdowns are each within
-``tolerance`` (a factor) of an entry's is under the same conditions, and a partition
+conditions (the per-stage slowdowns the check measured and each stage boundary's
+measured link bandwidth), the moving mean of the measured iteration seconds. A later
+check whose slowdowns are each within ``tolerance`` (a factor) of an entry's, and whose
+links are each within ``link_tolerance`` of the entry's (or unmeasured in both), is
+under the same conditions, and a partition
 held under them is ranked at what it measured there against what the partition in
 force measures now; a partition never held under them keeps the model's figure, as
 before. The comparison is made in the model's frame (the candidate at the in-force
@@ -51,21 +53,36 @@ def _key(bounds: Sequence[int], microbatches: int) -> str:
     return f"{','.join(str(int(b)) for b in bounds)}/{int(microbatches)}"
 
 
+def _factor(a: float, b: float) -> float:
+    """The factor between two positive values (1.0 for two unmeasured, 0.0, links)."""
+    if a == b:
+        return 1.0
+    return max(a, b) / min(a, b) if min(a, b) > 0 else math.inf
+
+
+def _links(obs: Observation) -> tuple[float, ...]:
+    """Per stage boundary the measured bandwidth (B/s), 0.0 where unmeasured."""
+    out = []
+    for s in range(obs.num_stages - 1):
+        bw = obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", 0.0)
+        out.append(float(bw) if math.isfinite(bw) and bw > 0 else 0.0)
+    return tuple(out)
+
+
 @dataclass(slots=True)
 class _Entry:
     slowdowns: tuple[float, ...]  # the conditions: per-stage slowdowns, moving mean
+    links: tuple[float, ...]  # ... and per-boundary bandwidth (0.0: unmeasured)
     seconds: float  # the measured iteration, moving mean
     checks: int = 1
 
-    def near(self, slowdowns: Sequence[float]) -> float:
-        """How far ``slowdowns`` are (the largest factor between two stages' values);
-        inf when the stage counts differ."""
-        if len(slowdowns) != len(self.slowdowns):
-            return math.inf
-        return max(
-            (max(a, b) / min(a, b) if min(a, b) > 0 else math.inf)
-            for a, b in zip(slowdowns, self.slowdowns, strict=True)
-        )
+    def near(self, slowdowns: Sequence[float], links: Sequence[float]) -> tuple[float, float]:
+        """How far these conditions are: the largest factor between two stages'
+        slowdowns, and between two boundaries' bandwidths (inf for other counts)."""
+        if len(slowdowns) != len(self.slowdowns) or len(links) != len(self.links):
+            return math.inf, math.inf
+        stages = max(map(_factor, slowdowns, self.slowdowns), default=1.0)
+        return stages, max(map(_factor, links, self.links), default=1.0)
 
 
 @dataclass(slots=True)
@@ -74,11 +91,14 @@ class Recall:
     moving mean of the measured iteration seconds over the checks it was in force.
     ``weight``: the newest check's share; an entry counts once ``min_checks`` checks made
     it; ``tolerance``: the largest factor between two checks' slowdowns of a stage for
-    one entry to serve both; at most ``entries`` conditions a partition (the oldest go)."""
+    one entry to serve both, ``link_tolerance`` between their bandwidths of a boundary
+    (measured bandwidth is noisier, a throttle moves it tenfold); at most ``entries``
+    conditions a partition (the oldest go)."""
 
     weight: float = 0.5
     min_checks: int = 2
     tolerance: float = 1.25
+    link_tolerance: float = 2.0
     entries: int = 8
     _seen: dict[str, list[_Entry]] = field(default_factory=dict)
 
@@ -88,13 +108,19 @@ class Recall:
                 f"recall: weight in (0, 1], min_checks >= 1 and entries >= 1 (got "
                 f"{self.weight}, {self.min_checks}, {self.entries})"
             )
-        if not self.tolerance >= 1:
-            raise PlanError(f"recall: tolerance must be >= 1 (got {self.tolerance})")
+        if not (self.tolerance >= 1 and self.link_tolerance >= 1):
+            raise PlanError(
+                f"recall: tolerance and link_tolerance must be >= 1 (got {self.tolerance}, "
+                f"{self.link_tolerance})"
+            )
 
-    def _entry(self, key: str, slowdowns: Sequence[float]) -> _Entry | None:
-        found = [(e.near(slowdowns), i, e) for i, e in enumerate(self._seen.get(key, []))]
-        found = [f for f in found if f[0] <= self.tolerance]
-        return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+    def _entry(self, key: str, slowdowns: Sequence[float], links: Sequence[float]) -> _Entry | None:
+        found = []
+        for i, e in enumerate(self._seen.get(key, [])):
+            stages, bws = e.near(slowdowns, links)
+            if stages <= self.tolerance and bws <= self.link_tolerance:
+                found.append((stages, bws, i, e))
+        return min(found, key=lambda f: f[:3])[3] if found else None
 
     def observe(self, obs: Observation, slowdowns: Sequence[float]) -> float | None:
         """Record the partition in force under ``slowdowns``: the window's measured
@@ -104,10 +130,11 @@ class Recall:
         if measured is None or not (math.isfinite(measured) and measured > 0):
             return None
         key = _key(obs.bounds, obs.microbatches)
-        entry = self._entry(key, slowdowns)
+        links = _links(obs)
+        entry = self._entry(key, slowdowns, links)
         if entry is None:
             listed = self._seen.setdefault(key, [])
-            listed.append(_Entry(tuple(float(v) for v in slowdowns), measured))
+            listed.append(_Entry(tuple(float(v) for v in slowdowns), links, measured))
             del listed[: max(0, len(listed) - self.entries)]
             return measured
         w = self.weight
@@ -115,15 +142,19 @@ class Recall:
         entry.slowdowns = tuple(
             a + w * (b - a) for a, b in zip(entry.slowdowns, slowdowns, strict=True)
         )
+        entry.links = tuple(
+            b if a == 0.0 or b == 0.0 else a + w * (b - a)
+            for a, b in zip(entry.links, links, strict=True)
+        )
         entry.checks += 1
         return entry.seconds
 
     def seconds(
-        self, bounds: Sequence[int], microbatches: int, slowdowns: Sequence[float]
+        self, obs: Observation, bounds: Sequence[int], slowdowns: Sequence[float]
     ) -> float | None:
-        """What ``bounds`` measured an iteration at ``microbatches`` blocks under
-        conditions near ``slowdowns``; None until such an entry counts."""
-        entry = self._entry(_key(bounds, microbatches), slowdowns)
+        """What ``bounds`` measured an iteration at ``obs``'s blocks under conditions near
+        ``slowdowns`` and ``obs``'s links; None until such an entry counts."""
+        entry = self._entry(_key(bounds, obs.microbatches), slowdowns, _links(obs))
         return entry.seconds if entry is not None and entry.checks >= self.min_checks else None
 
     def corrected(
@@ -141,7 +172,7 @@ class Recall:
         measures now (the model's frame)."""
         if tuple(bounds) == tuple(obs.bounds):
             return predicted_s
-        then = self.seconds(bounds, obs.microbatches, slowdowns)
+        then = self.seconds(obs, bounds, slowdowns)
         now = measured_iteration_s(obs)
         if then is None or now is None or not now > 0 or not math.isfinite(in_force_s):
             return predicted_s
@@ -158,7 +189,7 @@ class Recall:
             bounds = tuple(int(b) for b in key[: -len(suffix)].split(","))
             if len(bounds) != obs.num_stages + 1 or bounds[-1] != obs.num_layers:
                 continue
-            seen = self.seconds(bounds, obs.microbatches, slowdowns)
+            seen = self.seconds(obs, bounds, slowdowns)
             if bounds != tuple(obs.bounds) and seen is not None:
                 out.append(bounds)
         return sorted(out)
@@ -168,7 +199,7 @@ class Recall:
         near ``slowdowns`` measured (``"0,3,6"``: ms), the one in force included."""
         out = {}
         for b in sorted({*self.known(obs, slowdowns), tuple(obs.bounds)}):
-            got = self.seconds(b, obs.microbatches, slowdowns)
+            got = self.seconds(obs, b, slowdowns)
             if got is not None:
                 out[",".join(map(str, b))] = round(got * 1e3, 3)
         return out
@@ -176,7 +207,12 @@ class Recall:
     def state_dict(self) -> dict[str, Any]:
         return {
             key: [
-                {"slowdowns": list(e.slowdowns), "seconds": e.seconds, "checks": e.checks}
+                {
+                    "slowdowns": list(e.slowdowns),
+                    "links_Bps": list(e.links),
+                    "seconds": e.seconds,
+                    "checks": e.checks,
+                }
                 for e in listed
             ]
             for key, listed in self._seen.items()
@@ -186,7 +222,10 @@ class Recall:
         self._seen = {
             str(key): [
                 _Entry(
-                    tuple(float(v) for v in e["slowdowns"]), float(e["seconds"]), int(e["checks"])
+                    tuple(float(v) for v in e["slowdowns"]),
+                    tuple(float(v) for v in e.get("links_Bps", [])),
+                    float(e["seconds"]),
+                    int(e["checks"]),
                 )
                 for e in listed
                 if float(e["seconds"]) > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -89,11 +90,12 @@ def test_an_entry_counts_after_min_checks_and_follows_the_measurements() -> None
     recall = Recall(weight=0.5, min_checks=2)
     at2 = observe((0, 2, 4), first=0)  # measures 4 ms
     assert recall.observe(at2, QUIET) == pytest.approx(4e-3)
-    assert recall.seconds((0, 2, 4), 1, QUIET) is None  # one check: not yet
+    assert recall.seconds(at2, (0, 2, 4), QUIET) is None  # one check: not yet
     slower = observe((0, 2, 4), first=4, extra=(0.0, 4e-3))  # 6 ms
     assert recall.observe(slower, QUIET) == pytest.approx(5e-3)  # 4 + 0.5 * (6 - 4)
-    assert recall.seconds((0, 2, 4), 1, QUIET) == pytest.approx(5e-3)
-    assert recall.seconds((0, 2, 4), 2, QUIET) is None  # another block count: another key
+    assert recall.seconds(at2, (0, 2, 4), QUIET) == pytest.approx(5e-3)
+    two = observe((0, 2, 4), first=0, microbatches=2)
+    assert recall.seconds(two, (0, 2, 4), QUIET) is None  # another block count: another key
     assert recall.measured(at2, QUIET) == {"0,2,4": 5.0}
     assert recall.known(at2, QUIET) == []  # the partition in force is not a candidate
     assert recall.known(observe((0, 3, 4), first=8), QUIET) == [(0, 2, 4)]
@@ -101,15 +103,31 @@ def test_an_entry_counts_after_min_checks_and_follows_the_measurements() -> None
 
 def test_an_entry_serves_only_conditions_near_those_it_was_measured_under() -> None:
     recall = Recall(min_checks=1, tolerance=1.25)
-    recall.observe(observe((0, 2, 4), first=0), QUIET)  # 4 ms
+    at2 = observe((0, 2, 4), first=0)
+    recall.observe(at2, QUIET)  # 4 ms
     recall.observe(observe((0, 2, 4), first=0, slow=(1.0, 3.0)), (1.0, 3.0))  # 8 ms
-    assert recall.seconds((0, 2, 4), 1, (1.1, 0.9)) == pytest.approx(4e-3)
-    assert recall.seconds((0, 2, 4), 1, (1.0, 2.8)) == pytest.approx(8e-3)
-    assert recall.seconds((0, 2, 4), 1, (1.0, 1.8)) is None  # near neither
+    assert recall.seconds(at2, (0, 2, 4), (1.1, 0.9)) == pytest.approx(4e-3)
+    assert recall.seconds(at2, (0, 2, 4), (1.0, 2.8)) == pytest.approx(8e-3)
+    assert recall.seconds(at2, (0, 2, 4), (1.0, 1.8)) is None  # near neither
     assert recall.known(observe((0, 3, 4), first=0), (1.0, 1.8)) == []
     for k in range(10):  # at most `entries` conditions; the oldest go
-        recall.observe(observe((0, 2, 4), first=0), (1.0, 10.0 * 2**k))
-    assert recall.seconds((0, 2, 4), 1, QUIET) is None
+        recall.observe(at2, (1.0, 10.0 * 2**k))
+    assert recall.seconds(at2, (0, 2, 4), QUIET) is None
+
+
+def test_a_link_that_changed_is_other_conditions() -> None:
+    recall = Recall(min_checks=1, link_tolerance=2.0)
+
+    def linked(bps: float | None) -> Observation:
+        obs = observe((0, 2, 4), first=0)
+        return replace(obs, link_bandwidth_Bps={} if bps is None else {"0-1": bps})
+
+    recall.observe(linked(1e9), QUIET)  # measured on a fast link
+    assert recall.seconds(linked(0.6e9), (0, 2, 4), QUIET) == pytest.approx(4e-3)
+    assert recall.seconds(linked(2.5e6), (0, 2, 4), QUIET) is None  # throttled: not these
+    assert recall.seconds(linked(None), (0, 2, 4), QUIET) is None  # unmeasured: not these
+    recall.observe(linked(None), QUIET)
+    assert recall.seconds(linked(None), (0, 2, 4), QUIET) == pytest.approx(4e-3)
 
 
 def test_a_partition_held_before_ranks_at_what_it_measured_against_the_one_in_force() -> None:
@@ -135,11 +153,14 @@ def test_state_round_trips_and_bad_settings_are_refused() -> None:
     recall.observe(observe((0, 2, 4), first=0), QUIET)
     again = Recall(min_checks=1)
     again.load_state_dict(json.loads(json.dumps(recall.state_dict())))
-    assert again.seconds((0, 2, 4), 1, QUIET) == recall.seconds((0, 2, 4), 1, QUIET) == 4e-3
+    at2 = observe((0, 2, 4), first=0)
+    assert again.seconds(at2, (0, 2, 4), QUIET) == recall.seconds(at2, (0, 2, 4), QUIET) == 4e-3
     with pytest.raises(PlanError, match="weight"):
         Recall(weight=0.0)
     with pytest.raises(PlanError, match="tolerance"):
         Recall(tolerance=0.5)
+    with pytest.raises(PlanError, match="link_tolerance"):
+        Recall(link_tolerance=0.9)
 
 
 # Cut 3 measures 3 ms (stage 1's unseen 2 ms beside one layer), cut 2 4 ms; the planner,
