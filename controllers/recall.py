@@ -20,10 +20,9 @@ conditions (the per-stage slowdowns the check measured and each stage boundary's
 measured link bandwidth), the moving mean of the measured iteration seconds. A later
 check whose slowdowns are each within ``tolerance`` (a factor) of an entry's, and whose
 links are each within ``link_tolerance`` of the entry's (or unmeasured in both), is
-under the same conditions, and a partition
-held under them is ranked at what it measured there against what the partition in
-force measures now; a partition never held under them keeps the model's figure, as
-before. The comparison is made in the model's frame (the candidate at the in-force
+under the same conditions, and a partition held under them is ranked at what it
+measured there against what the partition in force measures now; a partition never
+held under them keeps the model's figure, as before. The comparison is made in the model's frame (the candidate at the in-force
 prediction times the two measurements' ratio), so with nothing remembered every
 decision is what it was without `Recall`.
 """
