@@ -38,7 +38,7 @@ from typing import Any
 
 from adaptipe.controllers.base import Controller, Keep
 from adaptipe.controllers.observation import Observation, observe
-from adaptipe.controllers.recall import Recall
+from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
 from adaptipe.errors import PlanError
@@ -359,11 +359,7 @@ def inputs(obs: Observation) -> dict[str, Any]:
     slow = stage_slowdowns(obs)
     bounds, best = best_partition(obs, slow)
     best *= obs.microbatches  # cycles per micro-batch: per iteration
-    measured = (
-        statistics.median(max(row) for row in obs.stage_iteration_s)
-        if obs.stage_iteration_s
-        else None
-    )
+    measured = measured_iteration_s(obs)
     current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
     return {
         "measured_ms": round(measured * 1e3, 3) if measured is not None else None,

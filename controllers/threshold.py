@@ -28,7 +28,6 @@ Every decision says why, with the numbers it compared.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from typing import Any
 
 from adaptipe.controllers.base import Decision
 from adaptipe.controllers.observation import Observation
-from adaptipe.controllers.recall import Recall
+from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.errors import PlanError
 from adaptipe.sim.migration import MigrationCost, moved_layers
@@ -89,9 +88,9 @@ class Threshold:
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
-        if not obs.stage_iteration_s:
+        measured = measured_iteration_s(obs)
+        if measured is None:
             return Decision(reason="nothing measured yet")
-        measured = statistics.median(max(row) for row in obs.stage_iteration_s)
         slow = stage_slowdowns(obs)
         bounds, best = best_partition(obs, slow)
         # the planner's cycle per micro-batch, times the micro-batches: an iteration

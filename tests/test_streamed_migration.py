@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from adaptipe.errors import PlanError
+from adaptipe.runtime import courier_main
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV
 from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.streamproto import base_pace
+from adaptipe.runtime.streamproto import PER_STEP, base_pace
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
 from tests.test_migration import _assert_bitwise, _events
@@ -207,6 +208,11 @@ def test_bad_transfer_settings_name_the_field(make_config: Callable[..., RunConf
             PlanError, match=r"test\.toml.*" + words.replace("[", r"\[").replace(".", r"\.")
         ):
             RunConfig.from_dict({**data, "adapt": adapt}, source="test.toml")
+
+
+def test_the_helper_numbers_logged_steps_as_the_stage_does() -> None:
+    # courier_main keeps its own copy (it imports torch only when a move needs it)
+    assert courier_main._PER_STEP == PER_STEP
 
 
 def test_the_base_pace_spreads_the_state_over_the_iterations_asked() -> None:

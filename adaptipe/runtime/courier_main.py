@@ -29,7 +29,7 @@ from typing import Any
 
 from adaptipe.runtime.statestream import Pace, StateReceiver, StateSender, StreamTimeout
 
-_PER_STEP = 64  # as adaptipe.runtime.streamed
+_PER_STEP = 64  # streamproto.PER_STEP, kept here: the helper imports torch only when needed
 _NICE = 10  # a low-priority helper's niceness
 
 
