@@ -220,6 +220,26 @@ def test_a_warned_gpu_stage_offloads_a_job_state_and_every_job_ends_as_without(
         _assert_close(got, want)
 
 
+def test_a_staged_pack_of_gpu_tensors_is_the_packed_bytes_as_they_were() -> None:
+    """The copies are queued before a later in-place change on the same stream, so the
+    sending thread reads the tensors as they were when the stage packed them."""
+    from adaptipe.runtime.tensorpack import Staged, pack, pack_staged
+
+    torch.manual_seed(0)
+    live = {
+        "g": torch.randn(512, 256, device="cuda"),
+        "t": torch.randn(64, 32, device="cuda").t(),  # not contiguous
+        "h": torch.randn(7, device="cuda", dtype=torch.bfloat16),
+        "step": torch.tensor(5),  # an optimizer's step count stays on the host
+    }
+    want = pack({k: v.clone() for k, v in live.items()}, {"m": "1"})
+    body = pack_staged(live, {"m": "1"})
+    assert isinstance(body, Staged)
+    for t in live.values():
+        t.add_(1)  # the optimizer step after the log was packed
+    assert bytes(body.ready()) == bytes(want) and len(body) == len(want)
+
+
 @pytest.mark.parametrize("streamer", ["process", "thread"])
 def test_a_streamed_move_on_gpu_stages_ends_bitwise_as_without(
     make_config: Callable[..., RunConfig], tmp_path: Path, streamer: str

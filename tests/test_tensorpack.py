@@ -7,7 +7,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from adaptipe.runtime.tensorpack import pack
+from adaptipe.runtime.tensorpack import Staged, pack, pack_staged
 
 
 def test_packed_bytes_load_as_the_same_tensors_with_their_metadata() -> None:
@@ -46,6 +46,13 @@ def test_nothing_to_pack_is_an_empty_payload_and_an_unknown_dtype_is_refused() -
     assert safetensors.torch.load(bytes(pack({}))) == {}
     with pytest.raises(TypeError, match=r"c: dtype torch\.complex64"):
         pack({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_host_tensors_are_packed_at_once_by_the_staged_writer() -> None:
+    tensors = {"w": torch.randn(3, 4), "step": torch.tensor(3)}
+    body = pack_staged(tensors, {"k": "v"})
+    assert not isinstance(body, Staged)  # nothing to wait for: the bytes of `pack`
+    assert body == pack(tensors, {"k": "v"})
 
 
 def _metadata(body: bytes) -> dict[str, str] | None:

@@ -199,7 +199,7 @@ class StateSender:
     def send(
         self,
         stream: int,
-        payload: bytes | bytearray,
+        payload: bytes | bytearray | memoryview,
         *,
         timeout_s: float = 60.0,
         corrupt: bool = False,

@@ -80,7 +80,7 @@ from adaptipe.runtime.streamproto import (
     state_buffers,
     stream_fault,
 )
-from adaptipe.runtime.tensorpack import pack
+from adaptipe.runtime.tensorpack import Staged, pack_staged
 
 __all__ = ["StreamedMove"]
 
@@ -98,7 +98,7 @@ class _Send:
 
     stream: int
     dst: int
-    body: bytes | bytearray
+    body: bytes | bytearray | Staged
     paced: bool
 
 
@@ -187,7 +187,7 @@ class StreamedMove:
             for j, layer in enumerate(move.layers):
                 slot = held[layer]
                 state = ckpt.layer_state(layer, slot.module, slot.optimizer, copy=False)
-                body = pack(state, payload_metadata([layer], 0))
+                body = pack_staged(state, payload_metadata([layer], 0))
                 self._put(_BASE_RANK, _Send(base_stream(k, j), move.dst, body, paced=True))
         if self.outgoing:
             stage.tap_steps(self._log_step)
@@ -269,7 +269,7 @@ class StreamedMove:
                         tensors[f"{i}/grad/{name}"] = p.grad
                 for name, b in state_buffers(module):
                     tensors[f"{i}/buffer/{name}"] = b
-            body = pack(tensors)  # the one copy (an optimizer may change them in place)
+            body = pack_staged(tensors)  # the one copy (an optimizer may change them in place)
             self._logged += 1
             self._put(_LOG_RANK, _Send(n * PER_STEP + k, move.dst, body, paced=False))
 
@@ -303,8 +303,9 @@ class StreamedMove:
     def _send(self, item: _Send) -> None:
         if self._fault == "raise":
             raise RuntimeError("migration fault injected before sending")
+        body = item.body.ready() if isinstance(item.body, Staged) else item.body
         sent = self._senders[item.dst].send(
-            item.stream, item.body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
+            item.stream, body, timeout_s=3600.0, corrupt=self._fault == "corrupt",
             pace=self._pace if item.paced else None,  # one pace over every layer's payload
             while_ahead=self._send_logged if item.paced else None,
         )  # fmt: skip
