@@ -91,10 +91,10 @@ def layer_costs(obs: Observation, *, schedule: str = "1f1b") -> LayerCosts:
 
 
 def link_bandwidths(obs: Observation, stages: int | None = None) -> tuple[float, ...]:
-    """Per stage boundary ``s -> s + 1``: the observed bandwidth (``"s-(s+1)"``; inf
-    where unmeasured)."""
+    """Per stage boundary: the observed bandwidth (`Observation.boundary_bandwidth_Bps`:
+    the slower direction; inf where unmeasured)."""
     count = (obs.num_stages if stages is None else stages) - 1
-    return tuple(obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", math.inf) for s in range(count))
+    return tuple(obs.boundary_bandwidth_Bps(s) for s in range(count))
 
 
 def autopipe_moves(bounds: Sequence[int]) -> list[Bounds]:

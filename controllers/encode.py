@@ -53,7 +53,7 @@ def encode(
     cuts = [b / layers for b in obs.bounds[1:-1]]
     links = []
     for s in range(stages - 1):
-        bw = obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", math.inf)
+        bw = obs.boundary_bandwidth_Bps(s)
         links.append(math.log10(bw) / 12 if math.isfinite(bw) and bw > 0 else 1.0)
     measured = (
         statistics.median(max(row) for row in obs.stage_iteration_s) / current

@@ -21,6 +21,7 @@ and one built from a simulated trace are interchangeable. It holds:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -84,6 +85,14 @@ class Observation:
     @property
     def num_layers(self) -> int:
         return len(self.layer_forward_s)
+
+    def boundary_bandwidth_Bps(self, s: int) -> float:
+        """Stage boundary ``s``'s bandwidth (between stages s and s + 1): the slower of
+        its two directions measured, since activations cross one way and gradients the
+        other (DynPipe Eq. 7 prices both); inf where neither is measured."""
+        pairs = (f"{s}-{s + 1}", f"{s + 1}-{s}")
+        got = [self.link_bandwidth_Bps[k] for k in pairs if self.link_bandwidth_Bps.get(k, 0) > 0]
+        return min(got) if got else math.inf
 
     @property
     def num_stages(self) -> int:

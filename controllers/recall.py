@@ -63,7 +63,7 @@ def _links(obs: Observation) -> tuple[float, ...]:
     """Per stage boundary the measured bandwidth (B/s), 0.0 where unmeasured."""
     out = []
     for s in range(obs.num_stages - 1):
-        bw = obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", 0.0)
+        bw = obs.boundary_bandwidth_Bps(s)
         out.append(float(bw) if math.isfinite(bw) and bw > 0 else 0.0)
     return tuple(out)
 

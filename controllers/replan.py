@@ -40,8 +40,9 @@ def stage_slowdowns(obs: Observation) -> tuple[float, ...]:
 
 
 def _bandwidths(obs: Observation) -> list[float]:
-    """Per stage boundary s -> s + 1: the observed link bandwidth (inf when unmeasured)."""
-    return [obs.link_bandwidth_Bps.get(f"{s}-{s + 1}", math.inf) for s in range(obs.num_stages - 1)]
+    """Per stage boundary: the observed bandwidth, the slower direction (inf when
+    unmeasured)."""
+    return [obs.boundary_bandwidth_Bps(s) for s in range(obs.num_stages - 1)]
 
 
 def predicted_time(

@@ -120,6 +120,20 @@ def test_a_window_across_a_re_partition_keeps_each_layer_where_it_was_measured()
     assert longer.iterations[0] == 2 and longer.link_bandwidth_Bps["0-1"] == 4e6
 
 
+def test_a_boundary_reads_at_its_slower_direction() -> None:
+    """Activations cross a boundary one way and gradients the other: a link throttled
+    only from stage 1 to stage 0 prices the boundary, and so the planner's choice."""
+    partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 2, 6))
+    obs = observe(_records(), _profile(), partition, window=4)
+    assert obs.boundary_bandwidth_Bps(0) == 4e6  # only 0 -> 1 measured
+    slow_back = replace(obs, link_bandwidth_Bps={"0-1": 4e6, "1-0": 100.0})
+    assert slow_back.boundary_bandwidth_Bps(0) == 100.0
+    assert replace(obs, link_bandwidth_Bps={"1-0": 1e5}).boundary_bandwidth_Bps(0) == 1e5
+    assert replace(obs, link_bandwidth_Bps={}).boundary_bandwidth_Bps(0) == math.inf
+    # the planner prices the boundary at the slow direction
+    assert predicted_time(slow_back, (0, 2, 6)) > predicted_time(obs, (0, 2, 6))
+
+
 def test_observe_refuses_what_it_cannot_build() -> None:
     partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 3, 6))
     with pytest.raises(PlanError, match="no iteration has been reported by every stage"):

@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from adaptipe.models import get_model
-from adaptipe.monitor.bandwidth import BusyTally, LinkTimer, LinkWatcher
+from adaptipe.monitor.bandwidth import (
+    SATURATED,
+    BusyTally,
+    FastEnd,
+    LinkTimer,
+    LinkWatcher,
+    link_bandwidth,
+)
 from adaptipe.monitor.schema import MonitorError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -201,7 +208,7 @@ def test_close_returns_promptly_while_a_send_never_completes() -> None:
 
 def test_link_timer_gives_one_sample_per_link_that_moved_bytes() -> None:
     clock = _Clock()
-    timer = LinkTimer(1, alpha=0.5, clock=clock)
+    timer = LinkTimer(1, clock=clock)
     try:
         first = {0: _Work(clock, 1.0), 2: _Work(clock, 2.0)}
         timer.submit(0, first[0], 0.0, 1000)
@@ -220,10 +227,45 @@ def test_link_timer_gives_one_sample_per_link_that_moved_bytes() -> None:
         slow.released.set()
         timer.drain()
         (again,) = timer.samples()
-        # bytes and seconds are smoothed apart: (1000 / 1 s, 1000 / 4 s) -> 1000 / 2.5 s
-        assert again.seconds == 4.0 and again.bandwidth_Bps == pytest.approx(400.0)
+        # busy for the whole of the 4 s since the last samples: the bottleneck, read at
+        # bytes over busy time (the fast end, 1000 B/s, is left aside)
+        assert again.seconds == 4.0 and again.bandwidth_Bps == 250.0
+        assert timer.bandwidth_Bps(0) == 250.0 and timer.bandwidth_Bps(5) == 0.0
     finally:
         assert timer.close()
+
+
+def test_the_fast_end_ignores_a_delay_that_spares_some_sends_and_follows_a_slow_link() -> None:
+    link = FastEnd(window=16, quantile=0.9)
+    assert link.bandwidth_Bps == 0.0
+    fast = (128 << 10) / 0.00015
+    for k in range(16):  # 128 KB sends: two of 16 at the link's speed, the rest late
+        link.add(128 << 10, 0.00015 if k >= 14 else 0.002)
+    assert link.bandwidth_Bps == pytest.approx(fast)
+    for _ in range(14):  # a throttle: every send slow; the window still holds the 2 fast
+        link.add(128 << 10, 0.05)
+        assert link.bandwidth_Bps == pytest.approx(fast)
+    link.add(128 << 10, 0.05)  # 15 of 16 slow
+    assert link.bandwidth_Bps == pytest.approx((128 << 10) / 0.05)
+    link.add(0, 1.0)  # an empty send and one below the clock's resolution count for nothing
+    link.add(10, 0.0)
+    assert link.bandwidth_Bps == pytest.approx((128 << 10) / 0.05)
+    with pytest.raises(MonitorError, match="window >= 1 and quantile"):
+        FastEnd(window=0)
+
+
+def test_a_link_busy_half_the_iteration_reads_at_its_busy_rate_and_a_lighter_one_at_its_fast_end() -> (
+    None
+):
+    # 512 KB in 7 ms of a 27 ms iteration (a fast link, its sends delayed): the fast end
+    assert link_bandwidth(512 << 10, 0.007, 0.027, 500e6) == 500e6
+    # the same bytes in 200 ms of a 300 ms iteration (throttled): bytes over busy time,
+    # though a send that fitted in the socket's buffer made the fast end read 57 MB/s
+    assert link_bandwidth(512 << 10, 0.2, 0.3, 57e6) == pytest.approx((512 << 10) / 0.2)
+    assert SATURATED == 0.5
+    # never below what the link carried while busy
+    assert link_bandwidth(1000, 0.001, 1.0, 10.0) == 1e6
+    assert link_bandwidth(1000, 0.0, 1.0, 0.0) == 0.0
 
 
 def test_transport_without_link_measurement_starts_no_thread() -> None:
@@ -341,7 +383,7 @@ def test_a_throttled_link_measures_lower_bandwidth_than_unthrottled(
     assert statistics.median(before) >= 4 * low
     assert statistics.median(back) >= 4 * low  # the other direction is not throttled
     _, last = _by_iteration(records, 0)[33]
-    assert last["bandwidth_Bps"] <= 2 * cap  # the smoothed estimate followed it down
+    assert last["bandwidth_Bps"] <= 2 * cap  # the estimate followed it down
 
 
 def test_telemetry_off_writes_no_records_and_trains(

@@ -267,7 +267,8 @@ class DeviceSample(_Record):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkSample(_Record):
-    """One link's measured transfer and its smoothed bandwidth (see bandwidth.LinkMeter)."""
+    """One link's bytes and busy seconds over an iteration, and its bandwidth (see
+    `adaptipe.monitor.bandwidth.FastEnd`)."""
 
     TYPE: ClassVar[str] = "link_sample"
     src: int
