@@ -20,10 +20,11 @@ iterations, out of ``--iterations``:
   through ``--levels`` Mbit/s, evenly over the duration (one phase per step).
 
 Links are measured (``[train].link_telemetry``, which the controllers price moves and
-cuts with) on the bed only, unless ``--link-telemetry``: a run's default is off, and on
-this 2-core machine the passive measurement reads a loopback link at 20-75 MB/s
-(docs/telemetry.md), which made the planner price cut 3's boundary at 4 ms a block and
-move to cut 2 before any slowdown (session 19).
+cuts with) on the bed only, unless ``--link-telemetry``: a run's default is off. Until
+session 20 the passive measurement read a loopback link on this 2-core machine at
+20-75 MB/s, which made the planner move to cut 2 before any slowdown; links now report
+their fast end when lightly used (docs/telemetry.md), and ``--link-telemetry`` gives
+the same results as without on the slowdown scenario.
 
 Part 1, the static matrix: every cut point ``[0, k, 6]`` runs the scenario, and each
 phase's throughput (samples/s from ``metrics.jsonl``: samples over the summed spans,
