@@ -91,13 +91,15 @@ class Recall:
     ``weight``: the newest check's share; an entry counts once ``min_checks`` checks made
     it; ``tolerance``: the largest factor between two checks' slowdowns of a stage for
     one entry to serve both, ``link_tolerance`` between their bandwidths of a boundary
-    (measured bandwidth is noisier, a throttle moves it tenfold); at most ``entries``
-    conditions a partition (the oldest go)."""
+    (a lightly used link reads at its fast end, which depends on the sizes sent: the same
+    loopback link read 137-190 MB/s at cut 3 and 57-60 at cut 4 of bench_adaptive's CNN;
+    a throttle moves it tenfold or more); at most ``entries`` conditions a partition
+    (the oldest go)."""
 
     weight: float = 0.5
     min_checks: int = 2
     tolerance: float = 1.25
-    link_tolerance: float = 2.0
+    link_tolerance: float = 4.0
     entries: int = 8
     _seen: dict[str, list[_Entry]] = field(default_factory=dict)
 

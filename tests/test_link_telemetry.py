@@ -227,8 +227,8 @@ def test_link_timer_gives_one_sample_per_link_that_moved_bytes() -> None:
         slow.released.set()
         timer.drain()
         (again,) = timer.samples()
-        # busy for the whole of the 4 s since the last samples: the bottleneck, read at
-        # bytes over busy time (the fast end, 1000 B/s, is left aside)
+        # busy for the whole of the 4 s since the last samples, and the iteration before:
+        # the bottleneck, read at bytes over busy time (the fast end, 1000 B/s, aside)
         assert again.seconds == 4.0 and again.bandwidth_Bps == 250.0
         assert timer.bandwidth_Bps(0) == 250.0 and timer.bandwidth_Bps(5) == 0.0
     finally:
@@ -263,6 +263,8 @@ def test_a_link_busy_half_the_iteration_reads_at_its_busy_rate_and_a_lighter_one
     # though a send that fitted in the socket's buffer made the fast end read 57 MB/s
     assert link_bandwidth(512 << 10, 0.2, 0.3, 57e6) == pytest.approx((512 << 10) / 0.2)
     assert SATURATED == 0.5
+    # one saturated iteration after a light one is not believed (a stalled core)
+    assert link_bandwidth(512 << 10, 0.2, 0.3, 57e6, before=False) == 57e6
     # never below what the link carried while busy
     assert link_bandwidth(1000, 0.001, 1.0, 10.0) == 1e6
     assert link_bandwidth(1000, 0.0, 1.0, 0.0) == 0.0

@@ -20,10 +20,10 @@ whatever delayed it besides the link: the receiver's late posting of its receive
 sends rendezvous), and the I/O and watcher threads waiting for a core that the stages
 fill. Those delays add time that does not scale with the bytes, so bytes over busy time
 reads a fast link low (60-90 MB/s for 128 KB sends over loopback on the 2-core machine).
-A link busy for at least half of the iteration (:data:`SATURATED`) is the bottleneck,
-and its bytes over busy time is what it carries; a link busy less than that reports the
-larger of that and the fast end of its recent sends (:class:`FastEnd`: the few sends
-that escaped the delays; 230-600 MB/s on the same link). The fast end alone would read a
+A link busy for at least half of the iteration (:data:`SATURATED`) two iterations in
+a row is the bottleneck, and its bytes over busy time is what it carries; any other
+reports the larger of that and the fast end of its recent sends (:class:`FastEnd`: the
+few sends that escaped the delays; 230-600 MB/s on the same link). The fast end alone would read a
 throttled link high: a send that fits in the socket's buffer completes at once.
 """
 
@@ -56,6 +56,7 @@ __all__ = [
     "SendWork",
     "link_bandwidth",
     "probe",
+    "saturated",
 ]
 
 
@@ -191,12 +192,21 @@ class FastEnd:
         return ranked[math.ceil(self.quantile * len(ranked)) - 1]
 
 
-def link_bandwidth(nbytes: int, busy_s: float, span_s: float, fast_Bps: float) -> float:
+def saturated(busy_s: float, span_s: float) -> bool:
+    """Whether a link busy ``busy_s`` of an iteration of ``span_s`` was its bottleneck."""
+    return span_s > 0 and busy_s >= SATURATED * span_s
+
+
+def link_bandwidth(
+    nbytes: int, busy_s: float, span_s: float, fast_Bps: float, *, before: bool = True
+) -> float:
     """A link's bandwidth over an iteration of ``span_s`` in which it carried ``nbytes``
-    in ``busy_s``: bytes over busy time where it was busy at least `SATURATED` of the
-    span, else the larger of that and ``fast_Bps`` (module doc)."""
+    in ``busy_s``: bytes over busy time where it was `saturated` in this iteration and
+    (``before``) the one before, else the larger of that and ``fast_Bps`` (module doc).
+    One saturated iteration alone is not believed: a stalled core makes one now and then
+    on a fast link."""
     busy_Bps = nbytes / busy_s if busy_s > 0 else 0.0
-    if span_s > 0 and busy_s >= SATURATED * span_s:
+    if before and saturated(busy_s, span_s):
         return busy_Bps
     return max(busy_Bps, fast_Bps)
 
@@ -399,6 +409,7 @@ class LinkTimer:
         self._clock = clock
         self._watchers: dict[int, LinkWatcher] = {}
         self._reported: dict[int, float] = {}
+        self._saturated: dict[int, bool] = {}  # per link, in the last iteration it sent
         self._taken = clock()  # when samples were last taken: an iteration's span
 
     def submit(
@@ -437,7 +448,9 @@ class LinkTimer:
             nbytes, busy_s = watcher.take()
             if nbytes == 0:
                 continue
-            bandwidth = link_bandwidth(nbytes, busy_s, span_s, watcher.bandwidth_Bps)
+            before = self._saturated.get(dst, False)
+            bandwidth = link_bandwidth(nbytes, busy_s, span_s, watcher.bandwidth_Bps, before=before)
+            self._saturated[dst] = saturated(busy_s, span_s)
             self._reported[dst] = bandwidth
             out.append(
                 LinkSample(
