@@ -10,9 +10,9 @@ One decision runs, on one `Observation`:
    - a stage the window did not measure (fewer than half its iterations carry the
      stage's layer times: *stale*) takes the forest's, where it has one;
    - a co-located load arriving at the end of the window, which the median still
-     hides, is *anticipated* where two signals agree: the last iteration's measured
-     slowdown and the forest's both above the median by more than `RISE`; the stage
-     then takes the smaller of the two;
+     hides, is *anticipated* where two signals agree: the last two iterations' measured
+     slowdowns (the smaller of them) and the forest's all above the median by more than
+     `RISE`; the stage then takes the smaller of the two signals;
 
 3. **candidates** (`adaptipe.controllers.candidates.top_k`): the best `CANDIDATES`
    partitions on those slowdowns by the simulator;
@@ -128,6 +128,18 @@ def forest_slowdowns(
     for s, value in zip(have, predicted, strict=True):
         out[s] = float(value)
     return out, None
+
+
+def _last_two(ratios: Sequence[Sequence[float]], stages: int) -> list[float]:
+    """Per stage the smaller of the window's last two measured slowdowns (the last alone
+    where the one before is missing): a load that arrives stays, a one-iteration spike
+    (the bed's link shaping stalled a stage for one iteration at its onset) does not."""
+    if not ratios:
+        return [math.nan] * stages
+    last = list(ratios[-1])
+    if len(ratios) >= 2:
+        last = [min(a, b) if math.isfinite(b) else a for a, b in zip(last, ratios[-2], strict=True)]
+    return last
 
 
 def combine(
@@ -258,7 +270,7 @@ class Chain:
         ratios = _stage_ratios(obs)
         need = max(1, len(ratios) // 2)
         fresh = [sum(math.isfinite(r[s]) for r in ratios) >= need for s in range(obs.num_stages)]
-        last = ratios[-1] if ratios else [math.nan] * obs.num_stages
+        last = _last_two(ratios, obs.num_stages)
         latest = [v if math.isfinite(v) else m for v, m in zip(last, measured, strict=True)]
         forest: list[float | None] = [None] * obs.num_stages
         if self.interference is not None:

@@ -146,7 +146,7 @@ class _Forest:
 def test_a_load_the_forest_and_the_last_iteration_agree_on_is_anticipated(
     chain: Chain,
 ) -> None:
-    rows = [[1.0] * 4] * 7 + [[1.0, 3.0, 1.0, 1.0]]  # the median still says 1.0
+    rows = [[1.0] * 4] * 6 + [[1.0, 3.0, 1.0, 1.0]] * 2  # the median still says 1.0
     device = [[0.5] * len(FEATURES)] * 4
     forest = _Forest([1.0, 2.5, 1.0, 1.0])
     seen = Chain(chain.policy, predictor=chain.predictor, interference=forest)  # type: ignore[arg-type,unused-ignore]
@@ -154,8 +154,12 @@ def test_a_load_the_forest_and_the_last_iteration_agree_on_is_anticipated(
     assert forest.rows == 4 and said["forest_slowdowns"] == [1.0, 2.5, 1.0, 1.0]
     assert said["slowdowns"] == [1.0, 2.5, 1.0, 1.0] and said["sources"][1] == "anticipated"
     assert all(c["bounds"][2] - c["bounds"][1] < 4 for c in said["candidates"])
+    # one slow iteration alone (a stall) is not a load that arrived, forest or not
+    spike = [[1.0] * 4] * 7 + [[1.0, 3.0, 1.0, 1.0]]
+    _, once = seen.explain(make_obs(spike, device=device))
+    assert once["slowdowns"][1] == pytest.approx(1.0) and once["sources"][1] == "measured"
     _, blind = seen.explain(make_obs(rows))  # no device status: measured only, and said
-    assert blind["slowdowns"] == [1.0] * 4 and forest.rows == 4
+    assert blind["slowdowns"] == [1.0] * 4 and forest.rows == 8
     assert "interference: no device status on this run" in blind["fallbacks"]
 
 
