@@ -203,7 +203,7 @@ def observe(
     iteration_s = tuple(
         tuple(float(by_iteration[it][s].iteration_s) for s in range(stages)) for it in chosen
     )
-    # each sample is already smoothed (`adaptipe.monitor.bandwidth.LinkTimer`): a mean
+    # each sample is already the link's estimate (`adaptipe.monitor.bandwidth.LinkTimer`): a mean
     # over the window on top lagged a throttled link's onset by several iterations
     bandwidth = {pair: max(samples)[1] for pair, samples in links.items()}
     return replace(

@@ -327,7 +327,8 @@ def by_link(samples: list[LinkSample]) -> dict[tuple[int, int], list[LinkSample]
 
 
 def _plot_links(samples: list[LinkSample], t0: float, marks: list[Mark], path: Path) -> bool:
-    """Per link: bandwidth per iteration (thin) and smoothed (thick), and busy time."""
+    """Per link: bytes over busy time per iteration (thin) and the bandwidth the sender
+    reported (thick), and busy time."""
     links = by_link(samples)
     if not links:
         return False
@@ -349,7 +350,8 @@ def _plot_links(samples: list[LinkSample], t0: float, marks: list[Mark], path: P
     else:
         top.set_ylim(bottom=0)
     top.set(
-        title="Link bandwidth: per iteration (thin) and smoothed (thick)", ylabel="MB/s (1e6 B/s)"
+        title="Link bandwidth: bytes over busy time (thin) and reported (thick)",
+        ylabel="MB/s (1e6 B/s)",
     )
     bottom.set(
         title="Link busy time per iteration (sends in flight, overlaps counted once)",

@@ -204,7 +204,7 @@ def render(state: MonitorState) -> Table:
 def render_links(state: MonitorState) -> Table | None:
     """One row per link (sender -> receiver), or None before any link was measured.
 
-    ``smoothed`` is the sender's bandwidth estimate; ``window mean`` is all bytes over all
+    ``reported`` is the sender's bandwidth estimate (`adaptipe.monitor.bandwidth.link_bandwidth`); ``window mean`` is all bytes over all
     busy seconds of the last ``window`` iterations; ``busy`` is the time per iteration
     the link had a send in flight (the union, not the sum, of its sends' times), and
     ``busy %`` that as a share of the sending stage's iteration.
@@ -213,7 +213,7 @@ def render_links(state: MonitorState) -> Table | None:
         return None
     table = Table(title="links: bandwidth of the pipeline's own sends", header_style="bold")
     table.add_column("link", justify="right")
-    for name in ("smoothed", "window mean", "bytes/iter", "busy ms", "busy %"):
+    for name in ("reported", "window mean", "bytes/iter", "busy ms", "busy %"):
         table.add_column(name, justify="right")
     for (src, dst), ring in sorted(state.links.items()):
         nbytes = sum(s.nbytes for s in ring)

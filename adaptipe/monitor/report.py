@@ -151,7 +151,7 @@ def _links_html(samples: list[LinkSample]) -> str:
                 ss[-1].bandwidth_Bps / 1e6,
             )
         )
-    header = ("link", "samples", "MB sent", "mean MB/s", "slowest", "fastest", "last smoothed")
+    header = ("link", "samples", "MB sent", "mean MB/s", "slowest", "fastest", "last reported")
     return _table(header, rows)
 
 
