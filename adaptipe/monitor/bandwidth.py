@@ -23,8 +23,9 @@ reads a fast link low (60-90 MB/s for 128 KB sends over loopback on the 2-core m
 A link busy for at least half of the iteration (:data:`SATURATED`) two iterations in
 a row is the bottleneck, and its bytes over busy time is what it carries; any other
 reports the larger of that and the fast end of its recent sends (:class:`FastEnd`: the
-few sends that escaped the delays; 230-600 MB/s on the same link). The fast end alone would read a
-throttled link high: a send that fits in the socket's buffer completes at once.
+few sends that escaped the delays; 230-600 MB/s on the same link). The fast end alone
+would read a throttled link high: a send that fits in the socket's buffer completes at
+once.
 """
 
 from __future__ import annotations
