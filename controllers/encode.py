@@ -22,13 +22,13 @@ Every value is clipped to [0, `HIGH`].
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.recall import measured_iteration_s
 from adaptipe.controllers.replan import predicted_time, stage_slowdowns
 from adaptipe.monitor.features import FEATURES
 
@@ -51,15 +51,9 @@ def encode(
     slow = tuple(slowdowns) if slowdowns is not None else stage_slowdowns(obs)
     current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
     cuts = [b / layers for b in obs.bounds[1:-1]]
-    links = []
-    for s in range(stages - 1):
-        bw = obs.boundary_bandwidth_Bps(s)
-        links.append(math.log10(bw) / 12 if math.isfinite(bw) and bw > 0 else 1.0)
-    measured = (
-        statistics.median(max(row) for row in obs.stage_iteration_s) / current
-        if obs.stage_iteration_s and current > 0
-        else 1.0
-    )
+    links = [math.log10(bw) / 12 if math.isfinite(bw) else 1.0 for bw in obs.boundary_bandwidths()]
+    now = measured_iteration_s(obs)
+    measured = now / current if now is not None and current > 0 else 1.0
     ratios = [c / current if current > 0 else 1.0 for c in candidate_s]
     device = [v for row in obs.device for v in row] or [0.0] * (stages * len(FEATURES))
     vector = np.array([*slow, *cuts, *links, measured, *ratios, *device], dtype=np.float64)

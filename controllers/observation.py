@@ -94,6 +94,10 @@ class Observation:
         got = [self.link_bandwidth_Bps[k] for k in pairs if self.link_bandwidth_Bps.get(k, 0) > 0]
         return min(got) if got else math.inf
 
+    def boundary_bandwidths(self) -> tuple[float, ...]:
+        """`boundary_bandwidth_Bps` of every stage boundary, in pipeline order."""
+        return tuple(self.boundary_bandwidth_Bps(s) for s in range(self.num_stages - 1))
+
     @property
     def num_stages(self) -> int:
         return len(self.bounds) - 1
@@ -203,8 +207,8 @@ def observe(
     iteration_s = tuple(
         tuple(float(by_iteration[it][s].iteration_s) for s in range(stages)) for it in chosen
     )
-    # each sample is already the link's estimate (`adaptipe.monitor.bandwidth.LinkTimer`): a mean
-    # over the window on top lagged a throttled link's onset by several iterations
+    # each sample is already the link's estimate (`adaptipe.monitor.bandwidth.LinkTimer`):
+    # a mean over the window on top lagged a throttled link's onset by several iterations
     bandwidth = {pair: max(samples)[1] for pair, samples in links.items()}
     return replace(
         Observation.from_profile(profile, partition.bounds, microbatches=microbatches),

@@ -22,9 +22,9 @@ check whose slowdowns are each within ``tolerance`` (a factor) of an entry's, an
 links are each within ``link_tolerance`` of the entry's (or unmeasured in both), is
 under the same conditions, and a partition held under them is ranked at what it
 measured there against what the partition in force measures now; a partition never
-held under them keeps the model's figure, as before. The comparison is made in the model's frame (the candidate at the in-force
-prediction times the two measurements' ratio), so with nothing remembered every
-decision is what it was without `Recall`.
+held under them keeps the model's figure, as before. The comparison is made in the
+model's frame (the candidate at the in-force prediction times the two measurements'
+ratio), so with nothing remembered every decision is what it was without `Recall`.
 """
 
 from __future__ import annotations
@@ -61,11 +61,7 @@ def _factor(a: float, b: float) -> float:
 
 def _links(obs: Observation) -> tuple[float, ...]:
     """Per stage boundary the measured bandwidth (B/s), 0.0 where unmeasured."""
-    out = []
-    for s in range(obs.num_stages - 1):
-        bw = obs.boundary_bandwidth_Bps(s)
-        out.append(float(bw) if math.isfinite(bw) and bw > 0 else 0.0)
-    return tuple(out)
+    return tuple(bw if math.isfinite(bw) else 0.0 for bw in obs.boundary_bandwidths())
 
 
 @dataclass(slots=True)

@@ -39,19 +39,13 @@ def stage_slowdowns(obs: Observation) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _bandwidths(obs: Observation) -> list[float]:
-    """Per stage boundary: the observed bandwidth, the slower direction (inf when
-    unmeasured)."""
-    return [obs.boundary_bandwidth_Bps(s) for s in range(obs.num_stages - 1)]
-
-
 def predicted_time(
     obs: Observation, bounds: Sequence[int], slowdowns: Sequence[float] | None = None
 ) -> float:
     """DynPipe's per-iteration time of ``bounds`` (Eq. 4-5) with stage ``s``'s layers at
     ``slowdowns[s]`` times their profile and the observed link bandwidths."""
     slow = stage_slowdowns(obs) if slowdowns is None else tuple(slowdowns)
-    bws = _bandwidths(obs)
+    bws = obs.boundary_bandwidths()
     work = [obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in range(obs.num_layers)]
     total = slow[0] * sum(work[bounds[0] : bounds[1]])
     for s in range(1, len(bounds) - 1):
@@ -72,7 +66,7 @@ def best_partition(
         raise PlanError(f"best_partition: {len(slow)} slowdowns for {stages} stages")
     if n < stages:
         raise PlanError(f"best_partition: {n} layers cannot fill {stages} stages")
-    bws = _bandwidths(obs)
+    bws = obs.boundary_bandwidths()
     work = [obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in range(n)]
     prefix = [0.0]
     for w in work:

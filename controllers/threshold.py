@@ -188,6 +188,5 @@ class Threshold:
     def _stall(self, obs: Observation, bounds: tuple[int, ...]) -> float:
         moving = moved_layers(obs.bounds, bounds)
         nbytes = sum(obs.state_bytes[i] for i in moving)
-        links = [obs.boundary_bandwidth_Bps(k) for k in range(obs.num_stages - 1)]
-        slowest = min(links) if links else math.inf
+        slowest = min(obs.boundary_bandwidths(), default=math.inf)
         return self.cost.stall_s(nbytes, slowest if math.isfinite(slowest) else UNMEASURED_BPS)
