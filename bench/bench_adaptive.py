@@ -488,14 +488,21 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "threshold_norecall": ("live", "threshold"),
     "ppo_measured": ("live", "ppo"),
     "threshold_measured": ("live", "threshold"),
+    "ppo_raw": ("live", "ppo"),
+    "threshold_raw": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
 plan, which a controller that never moves trains: its runs are the initial plan's).
 ``*_norecall``: the same with ``[adapt].recall = false`` (no memory of what the
 partitions held measured, `adaptipe.controllers.recall`); ``*_measured``: with
 ``[adapt].baseline = "measured"`` (slowdowns against the layers as the run measured
-them, not the profile)."""
-VARIANTS = {"_norecall": {"recall": False}, "_measured": {"baseline": "measured"}}
+them, not the profile); ``*_raw``: with ``[adapt].calibrate = false`` (each stage's
+readings as measured, its place's cost in them, `adaptipe.controllers.positions`)."""
+VARIANTS = {
+    "_norecall": {"recall": False},
+    "_measured": {"baseline": "measured"},
+    "_raw": {"calibrate": False},
+}
 
 
 def _adapt(method: str, s: Setting, best: Mapping[str, int]) -> dict[str, Any]:

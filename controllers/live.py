@@ -38,6 +38,7 @@ from typing import Any
 
 from adaptipe.controllers.base import Controller, Keep
 from adaptipe.controllers.observation import Observation, observe
+from adaptipe.controllers.positions import Positions
 from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
@@ -52,6 +53,8 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.serial import load_json_file
 
 __all__ = ["LiveDecider", "blocks_per_iteration", "decider", "from_settings"]
+
+_POSITIONS = "positions"  # the calibration's state beside the controller's
 
 
 def from_settings(
@@ -152,8 +155,10 @@ class LiveDecider:
         sizes: Sequence[LayerProfile] | None = None,
         microbatches: int = 1,
         blocks_of: Callable[[int], int] | None = None,
+        positions: Positions | None = None,
     ) -> None:
         self.controller, self.profile = controller, profile
+        self.positions = positions  # each stage's readings over its place's cost
         self.name = controller.name
         self.window, self.workers, self.sizes = window, workers, sizes
         self.microbatches = microbatches
@@ -171,14 +176,28 @@ class LiveDecider:
         return {"controller": self.name, "artifacts": [describe(f) for f in found]}
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's state (`Stateful`), {} for one that keeps none."""
+        """The controller's state (`Stateful`) and, under ``"positions"``, the
+        calibration's; {} for neither."""
         get = getattr(self.controller, "state_dict", None)
-        return dict(get()) if callable(get) else {}
+        out = dict(get()) if callable(get) else {}
+        if self.positions is not None:
+            out[_POSITIONS] = self.positions.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        mine = state.pop(_POSITIONS, None)
+        if self.positions is not None and isinstance(mine, dict):
+            self.positions.load_state_dict(mine)
         load = getattr(self.controller, "load_state_dict", None)
         if callable(load) and state:
             load(state)
+
+    def carry_from(self, previous: object) -> None:
+        """Take over ``previous``'s calibration (`adaptipe adapt --controller`): the
+        positions are the run's, whichever controller reads them."""
+        if isinstance(previous, LiveDecider) and None not in (self.positions, previous.positions):
+            self.positions = previous.positions
 
     def __call__(self, records: Sequence[Record], partition: Partition) -> Verdict:
         if self.blocks_of is not None:
@@ -207,6 +226,8 @@ class LiveDecider:
             workers=self.workers,
             microbatches=self.microbatches,
         )
+        if self.positions is not None:
+            obs = self.positions.apply(obs)
         explain = getattr(self.controller, "explain", None)
         if callable(explain):  # the chain: what each model said
             start = time.thread_time()
@@ -219,6 +240,8 @@ class LiveDecider:
             recall = getattr(self.controller, "recall", None)
             if isinstance(recall, Recall):  # what the partitions held here measured (ms)
                 logged["recalled_ms"] = recall.measured(obs, stage_slowdowns(obs))
+        if self.positions is not None and any(f != 1.0 for f in self.positions.factors):
+            logged["position_factors"] = [round(f, 3) for f in self.positions.factors]
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)
 
     def _same_blocks(
@@ -257,6 +280,7 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         sizes=sizes,
         microbatches=blocks_per_iteration(cfg, profile),
         blocks_of=_blocks_by_version(run, cfg, profile) if cfg.sweep is not None else None,
+        positions=Positions() if cfg.adapt.calibrate else None,
     )
 
 

@@ -28,6 +28,7 @@ from adaptipe.monitor.bandwidth import (
     LinkWatcher,
     link_bandwidth,
 )
+from adaptipe.monitor.capacity import RAISE, LinkCapacity
 from adaptipe.monitor.schema import MonitorError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig
@@ -268,6 +269,22 @@ def test_a_link_busy_half_the_iteration_reads_at_its_busy_rate_and_a_lighter_one
     # never below what the link carried while busy
     assert link_bandwidth(1000, 0.001, 1.0, 10.0) == 1e6
     assert link_bandwidth(1000, 0.0, 1.0, 0.0) == 0.0
+
+
+def test_a_link_reports_no_more_than_its_rate_as_a_bottleneck_until_it_carries_more() -> None:
+    """bench_adaptive's CNN on a 20 Mbit/s link: at cut 3 the link is the bottleneck at
+    2.5 MB/s; moved to cut 5 it carries 64 KB an iteration, which the token bucket
+    passes at once (the fast end read 90-160 MB/s): it still reports 2.5 MB/s."""
+    link = LinkCapacity()
+    assert link.bound(150e6, nbytes=65536, span_s=0.05, bottleneck=False) == 150e6  # never one
+    assert link.bound(2.5e6, nbytes=524288, span_s=0.3, bottleneck=True) == 2.5e6
+    assert link.bound(150e6, nbytes=65536, span_s=0.05, bottleneck=False) == 2.5e6
+    assert link.bound(1e6, nbytes=65536, span_s=0.05, bottleneck=False) == 1e6  # lower: as read
+    # carrying more than RAISE times the rate over an iteration shows it rose
+    carried = int(RAISE * 2.5e6 * 0.05) + 1000
+    assert link.bound(150e6, nbytes=carried, span_s=0.05, bottleneck=False) == 150e6
+    assert link.rate_Bps is None
+    assert link.bound(150e6, nbytes=65536, span_s=0.05, bottleneck=False) == 150e6
 
 
 def test_transport_without_link_measurement_starts_no_thread() -> None:

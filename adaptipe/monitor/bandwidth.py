@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from adaptipe.monitor.capacity import LinkCapacity
 from adaptipe.monitor.schema import LinkSample, MonitorError
 from adaptipe.monitor.threadname import name_os_thread
 from adaptipe.profile import link as _link
@@ -411,6 +412,7 @@ class LinkTimer:
         self._watchers: dict[int, LinkWatcher] = {}
         self._reported: dict[int, float] = {}
         self._saturated: dict[int, bool] = {}  # per link, in the last iteration it sent
+        self._capacity: dict[int, LinkCapacity] = {}  # per link: its rate as a bottleneck
         self._taken = clock()  # when samples were last taken: an iteration's span
 
     def submit(
@@ -439,7 +441,7 @@ class LinkTimer:
 
         Each carries those bytes, the link's busy seconds over them and its bandwidth
         (`link_bandwidth` of the two, the time since the last call and the fast end of
-        the link's recent sends).
+        the link's recent sends; at most its rate as a bottleneck, `LinkCapacity`).
         """
         now = self._clock()
         span_s, self._taken = now - self._taken, now
@@ -451,7 +453,11 @@ class LinkTimer:
                 continue
             before = self._saturated.get(dst, False)
             bandwidth = link_bandwidth(nbytes, busy_s, span_s, watcher.bandwidth_Bps, before=before)
-            self._saturated[dst] = saturated(busy_s, span_s)
+            now_saturated = saturated(busy_s, span_s)
+            bandwidth = self._capacity.setdefault(dst, LinkCapacity()).bound(
+                bandwidth, nbytes=nbytes, span_s=span_s, bottleneck=before and now_saturated
+            )
+            self._saturated[dst] = now_saturated
             self._reported[dst] = bandwidth
             out.append(
                 LinkSample(

@@ -40,6 +40,9 @@
     recall = true            # threshold, ppo: rank a partition the run has held at what
                              # it measured there (its model's error remembered,
                              # `adaptipe.controllers.recall`)
+    calibrate = true         # divide a stage's readings by what its place costs, measured
+                             # across the move that put its layers there
+                             # (`adaptipe.controllers.positions`)
     dry_run = false          # log the decisions, never act on them
     decide_timeout_s = 5.0   # a controller call longer than this is logged as timed out
     online = false           # ppo: fine-tune the speed predictor on the run's own
@@ -122,6 +125,7 @@ class AdaptSection:
     horizon: int = 100
     baseline: str = "profile"
     recall: bool = True
+    calibrate: bool = True
     dry_run: bool = False
     decide_timeout_s: float = 5.0
     online: bool = False
@@ -141,6 +145,7 @@ class AdaptSection:
             "margin": self.margin,
             "baseline": self.baseline,
             "recall": self.recall,
+            "calibrate": self.calibrate,
             "dry_run": self.dry_run,
             "decide_timeout_s": self.decide_timeout_s,
             "online": self.online,
@@ -171,6 +176,7 @@ def parse_adapt(
         "margin",
         "baseline",
         "recall",
+        "calibrate",
         "dry_run",
         "decide_timeout_s",
         "online",
@@ -228,6 +234,7 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
         ),
         "dry_run": get_bool(raw, "dry_run", source=source, prefix=p, default=False),
         "recall": get_bool(raw, "recall", source=source, prefix=p, default=True),
+        "calibrate": get_bool(raw, "calibrate", source=source, prefix=p, default=True),
         "baseline": get_str(
             raw, "baseline", source=source, prefix=p, choices=BASELINES, default="profile"
         ),

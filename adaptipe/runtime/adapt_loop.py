@@ -281,6 +281,9 @@ class AdaptLoop:
         previous = self.name
         if build.error is not None:  # e.g. a learned policy for another stage count
             return [self._control_event(asked, previous, error=_describe(build.error))]
+        carry = getattr(build.result, "carry_from", None)
+        if callable(carry):  # what the old one learnt of the run that is not its own
+            carry(self.decider)
         self.decider = build.result
         record_controller(self.run.root, self.decider, iteration=self._latest)
         self._next_check = min(self._next_check, self._latest + 1)

@@ -1,0 +1,191 @@
+"""Stage readings calibrated across partitions: what a stage's position costs.
+
+A stage's measured slowdown (`adaptipe.controllers.replan.stage_slowdowns`: its layers'
+measured seconds over their baseline) carries what the stage's place in the pipeline
+costs as well as what slows it. A core that waited for its next block runs the block's
+first operations slower (caches, clocks: a 50 us layer took 2-3x as long after a 10-15
+ms wait on this machine), and the last stage's backward begins with the loss. Spread
+over a stage of several layers that is a few percent; a stage left holding one small
+layer reads 2-3x on a quiet machine: on bench_adaptive's CNN the last layer alone on
+stage 1 read 2.8. A controller that reads that as interference never moves layers back
+onto the stage once the cause of the move has ended.
+
+`Positions` calibrates each partition by the move that made it. A stage is a worker on
+its own device: what interferes with it (another job on its core, a throttled link) does
+not change in the few iterations a move takes, so whatever its reading changed by
+across the switch, its new place did: the new partition's *factor* for the stage is its
+reading after the switch over its reading just before it (as calibrated then; the
+smaller of its last two iterations', so a one-iteration spike does not count). From
+then on the stage's measured seconds are divided by its factor, so every controller
+decides on an observation in which a stage reads as it did before the move until its
+conditions change. A stage that kept its layers keeps its factor; the partition a run
+starts on has factor 1 everywhere (the baseline is measured against it). The factor is
+estimated on the iterations after the switch's own (which pays for the move) and fixed
+once ``settle`` of them are in.
+
+Where conditions do change during a move, the factor carries the change until the next
+move: a throttle that ends in the iterations of the switch reads as the position's cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from adaptipe.controllers.observation import Observation
+from adaptipe.errors import PlanError
+
+__all__ = ["Positions"]
+
+Bounds = tuple[int, ...]
+
+
+def _stage_readings(obs: Observation) -> list[list[float]]:
+    """Per window iteration, per stage: its layers' measured seconds over their profiled
+    seconds (NaN where a layer of it was not measured)."""
+    out = []
+    for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
+        row = []
+        for lo, hi in itertools.pairwise(obs.bounds):
+            want = sum(obs.layer_forward_s[lo:hi]) + sum(obs.layer_backward_s[lo:hi])
+            got = sum(fwd[i] + bwd[i] for i in range(lo, hi))
+            row.append(got / want if want > 0 and math.isfinite(got) else math.nan)
+        out.append(row)
+    return out
+
+
+def _least(values: Sequence[float]) -> float:
+    """The least finite value (NaN for none): of a stage's last two readings, what a
+    load that arrived reads in both, not a one-iteration spike (a link's shaping stalled
+    the stage before it for one iteration as it began)."""
+    got = [v for v in values if math.isfinite(v)]
+    return min(got) if got else math.nan
+
+
+@dataclass(slots=True)
+class Positions:
+    """Per stage of the partition in force, the factor its position costs (see the
+    module doc); `apply` gives the observation controllers decide on."""
+
+    settle: int = 3
+    _bounds: Bounds | None = None  # the partition in force at the last call
+    _factors: tuple[float, ...] = ()  # per stage of _bounds
+    _settled: bool = False
+    _readings: tuple[float, ...] = ()  # per stage: calibrated, the last call's (`_least`)
+    _before: tuple[float, ...] = ()  # ... the last call's before the move
+    _before_bounds: Bounds | None = None
+    _before_factors: tuple[float, ...] = ()
+    _skip: set[int] = field(default_factory=set)  # the iteration a move's switch ran in
+
+    def __post_init__(self) -> None:
+        if self.settle < 1:
+            raise PlanError(f"positions: settle must be >= 1 (got {self.settle})")
+
+    @property
+    def factors(self) -> tuple[float, ...]:
+        """Per stage of the partition in force (1.0 until it is calibrated)."""
+        return self._factors
+
+    def apply(self, obs: Observation) -> Observation:
+        """``obs`` with each stage's measured seconds divided by its position's factor,
+        after noting what the partition in force reads now."""
+        bounds = tuple(obs.bounds)
+        if self._bounds is None or len(bounds) != len(self._bounds):
+            # the partition the run started on (or another stage count): the reference
+            self._bounds, self._factors, self._settled = bounds, (1.0,) * obs.num_stages, True
+        elif bounds != self._bounds:
+            self._before, self._before_bounds = self._readings, self._bounds
+            self._before_factors = self._factors
+            self._bounds, self._settled = bounds, False
+            self._factors = self._kept()
+            self._skip = {obs.iterations[0]} if obs.iterations else set()
+        if not self._settled:
+            self._calibrate(obs)
+        out = _scaled(obs, self._factors)
+        rows = _stage_readings(out)[-2:]
+        self._readings = tuple(_least([r[s] for r in rows]) for s in range(obs.num_stages))
+        return out
+
+    def _kept(self) -> tuple[float, ...]:
+        """Per stage of the new partition: its factor before the move where it kept its
+        layers, else 1.0 (until calibrated)."""
+        assert self._bounds is not None and self._before_bounds is not None
+        old, new = self._before_bounds, self._bounds
+        return tuple(
+            self._before_factors[s] if (old[s], old[s + 1]) == (new[s], new[s + 1]) else 1.0
+            for s in range(len(new) - 1)
+        )
+
+    def _calibrate(self, obs: Observation) -> None:
+        """Each moved stage's factor: its raw reading since the switch (the switch's own
+        iteration left out) over its calibrated reading before it."""
+        assert self._before_bounds is not None
+        keep = [k for k, it in enumerate(obs.iterations) if it not in self._skip]
+        if not keep:
+            return
+        rows = _stage_readings(obs)
+        kept = self._kept()
+        factors = list(kept)
+        for s in range(obs.num_stages):
+            old, new = self._before_bounds, obs.bounds
+            if (old[s], old[s + 1]) == (new[s], new[s + 1]) or s >= len(self._before):
+                continue
+            now = [rows[k][s] for k in keep if math.isfinite(rows[k][s])]
+            before = self._before[s]
+            if now and math.isfinite(before) and before > 0:
+                factor = statistics.median(now) / before
+                factors[s] = factor if math.isfinite(factor) and factor > 0 else 1.0
+        self._factors = tuple(factors)
+        self._settled = len(keep) >= self.settle
+
+    def state_dict(self) -> dict[str, Any]:
+        def nums(values: Sequence[float]) -> list[float | None]:
+            return [v if math.isfinite(v) else None for v in values]
+
+        return {
+            "bounds": list(self._bounds) if self._bounds is not None else None,
+            "factors": list(self._factors),
+            "settled": self._settled,
+            "readings": nums(self._readings),
+            "before": nums(self._before),
+            "before_bounds": list(self._before_bounds) if self._before_bounds else None,
+            "before_factors": list(self._before_factors),
+            "skip": sorted(self._skip),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def nums(values: Any) -> tuple[float, ...]:
+            return tuple(math.nan if v is None else float(v) for v in values or [])
+
+        def bounds(value: Any) -> Bounds | None:
+            return tuple(int(b) for b in value) if value else None
+
+        self._bounds = bounds(state.get("bounds"))
+        self._factors = nums(state.get("factors"))
+        self._settled = bool(state.get("settled", True))
+        self._readings = nums(state.get("readings"))
+        self._before = nums(state.get("before"))
+        self._before_bounds = bounds(state.get("before_bounds"))
+        self._before_factors = nums(state.get("before_factors"))
+        self._skip = {int(v) for v in state.get("skip", [])}
+
+
+def _scaled(obs: Observation, factors: Sequence[float]) -> Observation:
+    """``obs`` with every measured layer's seconds divided by its stage's factor."""
+    if all(f == 1.0 for f in factors):
+        return obs
+    stages = itertools.pairwise(obs.bounds)
+    per_layer = [f for f, (lo, hi) in zip(factors, stages, strict=True) for _ in range(lo, hi)]
+
+    def scale(rows: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(v / f for v, f in zip(row, per_layer, strict=True)) for row in rows)
+
+    return replace(
+        obs,
+        measured_forward_s=scale(obs.measured_forward_s),
+        measured_backward_s=scale(obs.measured_backward_s),
+    )
