@@ -21,7 +21,7 @@ decides on an observation in which a stage reads as it did before the move until
 conditions change. A stage that kept its layers keeps its factor; the partition a run
 starts on has factor 1 everywhere (the baseline is measured against it). The factor is
 estimated on the iterations after the switch's own (which pays for the move) and fixed
-once ``settle`` of them are in.
+once ``settle`` of them are in (or have passed, where the window is smaller).
 
 Where conditions do change during a move, the factor carries the change until the next
 move: a throttle that ends in the iterations of the switch reads as the position's cost.
@@ -33,7 +33,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptipe.controllers.observation import Observation
@@ -79,7 +79,7 @@ class Positions:
     _before: tuple[float, ...] = ()  # ... the last call's before the move
     _before_bounds: Bounds | None = None
     _before_factors: tuple[float, ...] = ()
-    _skip: set[int] = field(default_factory=set)  # the iteration a move's switch ran in
+    _since: int = -1  # the first iteration seen after the move (its switch's own, at best)
 
     def __post_init__(self) -> None:
         if self.settle < 1:
@@ -102,7 +102,7 @@ class Positions:
             self._before_factors = self._factors
             self._bounds, self._settled = bounds, False
             self._factors = self._kept()
-            self._skip = {obs.iterations[0]} if obs.iterations else set()
+            self._since = obs.iterations[0] if obs.iterations else obs.iteration
         if not self._settled:
             self._calibrate(obs)
         out = _scaled(obs, self._factors)
@@ -124,7 +124,7 @@ class Positions:
         """Each moved stage's factor: its raw reading since the switch (the switch's own
         iteration left out) over its calibrated reading before it."""
         assert self._before_bounds is not None
-        keep = [k for k, it in enumerate(obs.iterations) if it not in self._skip]
+        keep = [k for k, it in enumerate(obs.iterations) if it > self._since]
         if not keep:
             return
         rows = _stage_readings(obs)
@@ -140,7 +140,8 @@ class Positions:
                 factor = statistics.median(now) / before
                 factors[s] = factor if math.isfinite(factor) and factor > 0 else 1.0
         self._factors = tuple(factors)
-        self._settled = len(keep) >= self.settle
+        # fixed once `settle` iterations are in, or have passed (a window smaller than that)
+        self._settled = len(keep) >= self.settle or obs.iteration - self._since >= self.settle
 
     def state_dict(self) -> dict[str, Any]:
         def nums(values: Sequence[float]) -> list[float | None]:
@@ -154,7 +155,7 @@ class Positions:
             "before": nums(self._before),
             "before_bounds": list(self._before_bounds) if self._before_bounds else None,
             "before_factors": list(self._before_factors),
-            "skip": sorted(self._skip),
+            "since": self._since,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,7 +172,7 @@ class Positions:
         self._before = nums(state.get("before"))
         self._before_bounds = bounds(state.get("before_bounds"))
         self._before_factors = nums(state.get("before_factors"))
-        self._skip = {int(v) for v in state.get("skip", [])}
+        self._since = int(state.get("since", -1))
 
 
 def _scaled(obs: Observation, factors: Sequence[float]) -> Observation:

@@ -32,8 +32,9 @@ def observe(
     slow: Sequence[float] = (1.0, 1.0),
     spike: float = 1.0,
     last: float = 1.0,
+    window: int = WINDOW,
 ) -> Observation:
-    """``WINDOW`` iterations from ``first`` under ``bounds``: stage ``s``'s layers at
+    """``window`` iterations from ``first`` under ``bounds``: stage ``s``'s layers at
     ``slow[s]`` times their profile, its first layer ``COST`` more (times ``slow[s]``);
     the first iteration's times ``spike`` times that (a switch's own iteration), the last
     one's ``last`` times (a link's shaping stalled the stage as it began)."""
@@ -43,21 +44,21 @@ def observe(
         slow[owner[i]] * (WORK[i] + (COST if i in bounds[:-1] else 0.0)) / 2
         for i in range(len(WORK))
     ]
-    factor = [spike, *[1.0] * (WINDOW - 2), last]
-    rows = [tuple(v * factor[k] for v in layers) for k in range(WINDOW)]
+    factor = [spike, *[1.0] * (window - 2), last][-window:]
+    rows = [tuple(v * factor[k] for v in layers) for k in range(window)]
     compute = [sum(layers[bounds[s] : bounds[s + 1]]) * 2 for s in range(stages)]
     return Observation(
-        iteration=first + WINDOW - 1,
+        iteration=first + window - 1,
         bounds=tuple(bounds),
         layer_forward_s=tuple(w / 2 for w in WORK),
         layer_backward_s=tuple(w / 2 for w in WORK),
         boundary_bytes=(0,) * len(WORK),
         state_bytes=(1000,) * len(WORK),
-        iterations=tuple(range(first, first + WINDOW)),
+        iterations=tuple(range(first, first + window)),
         measured_forward_s=tuple(rows),
         measured_backward_s=tuple(rows),
-        stage_compute_s=(tuple(compute),) * WINDOW,
-        stage_iteration_s=((max(compute),) * stages,) * WINDOW,
+        stage_compute_s=(tuple(compute),) * window,
+        stage_iteration_s=((max(compute),) * stages,) * window,
     )
 
 
@@ -91,6 +92,18 @@ def test_the_switch_iteration_is_left_out_and_the_factor_settles() -> None:
     assert factors[1] == pytest.approx(3.5 / ((stage1 + COST) / stage1))
     positions.apply(observe((0, 5, 6), first=14, slow=(1.0, 2.0)))  # settled: kept
     assert positions.factors == factors
+
+
+def test_a_small_window_settles_once_enough_iterations_have_passed() -> None:
+    """With a 2-iteration window no call holds 3 iterations after the switch; the factor
+    is fixed once 3 have passed, and a load that comes later shows."""
+    positions = Positions(settle=3)
+    positions.apply(observe((0, 3, 6), first=0, window=2))
+    for first in (10, 11, 12):  # the switch at 10; 11 and 12 read as before
+        positions.apply(observe((0, 5, 6), first=first, window=2))
+    loaded = positions.apply(observe((0, 5, 6), first=13, slow=(1.0, 2.0), window=2))
+    before = stage_slowdowns(observe((0, 3, 6), first=0, window=2))
+    assert stage_slowdowns(loaded)[1] == pytest.approx(2 * before[1])
 
 
 def test_a_one_iteration_spike_before_the_move_does_not_count() -> None:
