@@ -57,7 +57,7 @@ from adaptipe.controllers.candidates import score, top_k
 from adaptipe.controllers.encode import encode
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.recall import Recall
-from adaptipe.controllers.replan import predicted_time, stage_slowdowns
+from adaptipe.controllers.replan import predicted_time, stage_ratios, stage_slowdowns
 from adaptipe.errors import PlanError
 
 if TYPE_CHECKING:
@@ -75,22 +75,6 @@ MIN_GAIN = 0.05  # a move predicted to save less (a fraction of the in-force sec
 
 def _ms(seconds: float) -> float | None:
     return round(seconds * 1e3, 3) if math.isfinite(seconds) else None
-
-
-def _stage_ratios(obs: Observation) -> list[list[float]]:
-    """Per window iteration, per stage in force: measured over profiled seconds (NaN
-    where the stage's layers were not all measured)."""
-    work = np.add(obs.layer_forward_s, obs.layer_backward_s)
-    out = []
-    for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
-        row = []
-        for s in range(obs.num_stages):
-            lo, hi = obs.bounds[s], obs.bounds[s + 1]
-            got = sum(fwd[i] + bwd[i] for i in range(lo, hi))
-            want = float(work[lo:hi].sum())
-            row.append(got / want if want > 0 and math.isfinite(got) else math.nan)
-        out.append(row)
-    return out
 
 
 def _stage_info(obs: Observation, stage: int) -> StageInfo:
@@ -267,7 +251,7 @@ class Chain:
         self, obs: Observation, fallbacks: list[str]
     ) -> tuple[list[float], dict[str, Any]]:
         measured = list(stage_slowdowns(obs))
-        ratios = _stage_ratios(obs)
+        ratios = stage_ratios(obs)
         need = max(1, len(ratios) // 2)
         fresh = [sum(math.isfinite(r[s]) for r in ratios) >= need for s in range(obs.num_stages)]
         last = _last_two(ratios, obs.num_stages)

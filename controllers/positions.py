@@ -37,25 +37,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptipe.controllers.observation import Observation
+from adaptipe.controllers.replan import stage_ratios
 from adaptipe.errors import PlanError
 
 __all__ = ["Positions"]
 
 Bounds = tuple[int, ...]
-
-
-def _stage_readings(obs: Observation) -> list[list[float]]:
-    """Per window iteration, per stage: its layers' measured seconds over their profiled
-    seconds (NaN where a layer of it was not measured)."""
-    out = []
-    for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
-        row = []
-        for lo, hi in itertools.pairwise(obs.bounds):
-            want = sum(obs.layer_forward_s[lo:hi]) + sum(obs.layer_backward_s[lo:hi])
-            got = sum(fwd[i] + bwd[i] for i in range(lo, hi))
-            row.append(got / want if want > 0 and math.isfinite(got) else math.nan)
-        out.append(row)
-    return out
 
 
 def _least(values: Sequence[float]) -> float:
@@ -106,7 +93,7 @@ class Positions:
         if not self._settled:
             self._calibrate(obs)
         out = _scaled(obs, self._factors)
-        rows = _stage_readings(out)[-2:]
+        rows = stage_ratios(out)[-2:]
         self._readings = tuple(_least([r[s] for r in rows]) for s in range(obs.num_stages))
         return out
 
@@ -127,7 +114,7 @@ class Positions:
         keep = [k for k, it in enumerate(obs.iterations) if it > self._since]
         if not keep:
             return
-        rows = _stage_readings(obs)
+        rows = stage_ratios(obs)
         kept = self._kept()
         factors = list(kept)
         for s in range(obs.num_stages):

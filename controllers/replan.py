@@ -20,21 +20,31 @@ from adaptipe.controllers.observation import Observation
 from adaptipe.errors import PlanError
 from adaptipe.plan.dynpipe import cycle_time
 
-__all__ = ["best_partition", "predicted_time", "stage_slowdowns"]
+__all__ = ["best_partition", "predicted_time", "stage_ratios", "stage_slowdowns"]
+
+
+def stage_ratios(obs: Observation) -> list[list[float]]:
+    """Per window iteration, per stage in force: its layers' measured forward + backward
+    seconds over their profiled seconds (NaN where a layer of it was not measured)."""
+    out = []
+    for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
+        row = []
+        for s in range(obs.num_stages):
+            layers = range(obs.bounds[s], obs.bounds[s + 1])
+            measured = sum(fwd[i] + bwd[i] for i in layers)
+            profiled = sum(obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in layers)
+            ok = profiled > 0 and math.isfinite(measured)
+            row.append(measured / profiled if ok else math.nan)
+        out.append(row)
+    return out
 
 
 def stage_slowdowns(obs: Observation) -> tuple[float, ...]:
-    """Per stage: the window's median measured forward + backward seconds of the layers
-    it holds over their profiled seconds (1.0 where nothing was measured)."""
+    """Per stage: the window's median of `stage_ratios` (1.0 where nothing was measured)."""
+    rows = stage_ratios(obs)
     out = []
     for s in range(obs.num_stages):
-        layers = range(obs.bounds[s], obs.bounds[s + 1])
-        ratios = []
-        for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
-            measured = sum(fwd[i] + bwd[i] for i in layers)
-            profiled = sum(obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in layers)
-            if profiled > 0 and math.isfinite(measured):
-                ratios.append(measured / profiled)
+        ratios = [row[s] for row in rows if math.isfinite(row[s])]
         out.append(statistics.median(ratios) if ratios else 1.0)
     return tuple(out)
 
