@@ -383,6 +383,7 @@ def test_the_report_lists_decisions_with_their_realised_gain(tmp_path: Path) -> 
             "controller": "threshold",
             "acted": True,
             "decision": move,
+            "inputs": {"slowdowns": [1.02, 3.1], "position_factors": [0.97, 2.8]},
         },
         {
             "event": "decision",
@@ -399,6 +400,7 @@ def test_the_report_lists_decisions_with_their_realised_gain(tmp_path: Path) -> 
     rows = [r for r in page.split("<tr>")[2:]]
     assert len(rows) == 3 and "within the margin" in rows[0] and ">keep<" in rows[0]
     assert "move to [0, 4, 6]" in rows[1] and ">12.00<" in rows[1] and ">8.00<" in rows[1]
+    assert "1.02, 3.10 (place 0.97, 2.80)" in rows[1]  # what it decided on, its places
     assert ">error<" in rows[2] and "ValueError: no idea" in rows[2]
     assert _decisions_html(tmp_path / "none") == ""
 

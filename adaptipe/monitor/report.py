@@ -179,7 +179,8 @@ _KEEPS_LISTED = 30  # more decisions than this: only the moves and errors get a 
 
 def _decisions_html(root: Path) -> str:
     """The controller's decisions (``control.jsonl``): iteration, controller, action,
-    predicted and realised gain, reason; '' when the run logged none."""
+    predicted and realised gain, the stage slowdowns decided on, reason; '' when the run
+    logged none."""
     decisions, realised = [], {}
     for event in control_events(root):
         if event.get("event") == "decision":
@@ -200,7 +201,7 @@ def _decisions_html(root: Path) -> str:
         else ""
     )
     header = ("iteration", "controller", "action", "predicted gain (ms)", "realised gain (ms)")
-    return _table((*header, "reason"), rows) + note
+    return _table((*header, "stage slowdowns", "reason"), rows) + note
 
 
 def _decision_action(e: dict[str, Any]) -> str:
@@ -222,8 +223,27 @@ def _decision_row(e: dict[str, Any], realised: dict[Any, Any]) -> tuple[Any, ...
         _decision_action(e),
         gain * 1e3 if isinstance(gain, int | float) else None,
         got * 1e3 if isinstance(got, int | float) else None,
+        _slowdowns(e.get("inputs") or {}),
         str(e.get("error") or decision.get("reason", "")),
     )
+
+
+def _slowdowns(inputs: dict[str, Any]) -> str:
+    """The per-stage slowdowns a decision was made on (the chain's where it logged them)
+    and, where a stage's place was calibrated, its factors: "1.02, 3.10 (place 0.97,
+    2.80)"; '' for none."""
+    chain = inputs.get("chain")
+    slow = chain.get("slowdowns") if isinstance(chain, dict) else None
+    slow = slow if isinstance(slow, list) else inputs.get("slowdowns")
+    if not isinstance(slow, list):
+        return ""
+
+    def listed(values: list[Any]) -> str:
+        return ", ".join(f"{v:.2f}" if isinstance(v, int | float) else "-" for v in values)
+
+    factors = inputs.get("position_factors")
+    place = f" (place {listed(factors)})" if isinstance(factors, list) else ""
+    return listed(slow) + place
 
 
 def _compared_html(compare: Mapping[str, str | Path]) -> str:
