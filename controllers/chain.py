@@ -57,7 +57,12 @@ from adaptipe.controllers.candidates import score, top_k
 from adaptipe.controllers.encode import encode
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.recall import Recall
-from adaptipe.controllers.replan import predicted_time, stage_ratios, stage_slowdowns
+from adaptipe.controllers.replan import (
+    latest_ratios,
+    predicted_time,
+    stage_ratios,
+    stage_slowdowns,
+)
 from adaptipe.errors import PlanError
 
 if TYPE_CHECKING:
@@ -112,18 +117,6 @@ def forest_slowdowns(
     for s, value in zip(have, predicted, strict=True):
         out[s] = float(value)
     return out, None
-
-
-def _last_two(ratios: Sequence[Sequence[float]], stages: int) -> list[float]:
-    """Per stage the smaller of the window's last two measured slowdowns (the last alone
-    where the one before is missing): a load that arrives stays, a one-iteration spike
-    (the bed's link shaping stalled a stage for one iteration at its onset) does not."""
-    if not ratios:
-        return [math.nan] * stages
-    last = list(ratios[-1])
-    if len(ratios) >= 2:
-        last = [min(a, b) if math.isfinite(b) else a for a, b in zip(last, ratios[-2], strict=True)]
-    return last
 
 
 def combine(
@@ -254,7 +247,7 @@ class Chain:
         ratios = stage_ratios(obs)
         need = max(1, len(ratios) // 2)
         fresh = [sum(math.isfinite(r[s]) for r in ratios) >= need for s in range(obs.num_stages)]
-        last = _last_two(ratios, obs.num_stages)
+        last = latest_ratios(ratios, obs.num_stages)
         latest = [v if math.isfinite(v) else m for v, m in zip(last, measured, strict=True)]
         forest: list[float | None] = [None] * obs.num_stages
         if self.interference is not None:

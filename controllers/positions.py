@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from adaptipe.controllers.observation import Observation
-from adaptipe.controllers.replan import stage_ratios
+from adaptipe.controllers.replan import latest_ratios, stage_ratios
 from adaptipe.errors import PlanError
 
 __all__ = ["Positions"]
@@ -45,12 +45,9 @@ __all__ = ["Positions"]
 Bounds = tuple[int, ...]
 
 
-def _least(values: Sequence[float]) -> float:
-    """The least finite value (NaN for none): of a stage's last two readings, what a
-    load that arrived reads in both, not a one-iteration spike (a link's shaping stalled
-    the stage before it for one iteration as it began)."""
-    got = [v for v in values if math.isfinite(v)]
-    return min(got) if got else math.nan
+def _same_layers(old: Bounds, new: Bounds) -> list[bool]:
+    """Per stage of ``new``: whether it holds the layers it held under ``old``."""
+    return [(old[s], old[s + 1]) == (new[s], new[s + 1]) for s in range(len(new) - 1)]
 
 
 @dataclass(slots=True)
@@ -62,7 +59,7 @@ class Positions:
     _bounds: Bounds | None = None  # the partition in force at the last call
     _factors: tuple[float, ...] = ()  # per stage of _bounds
     _settled: bool = False
-    _readings: tuple[float, ...] = ()  # per stage: calibrated, the last call's (`_least`)
+    _readings: tuple[float, ...] = ()  # per stage: calibrated, the last call's `latest_ratios`
     _before: tuple[float, ...] = ()  # ... the last call's before the move
     _before_bounds: Bounds | None = None
     _before_factors: tuple[float, ...] = ()
@@ -93,19 +90,15 @@ class Positions:
         if not self._settled:
             self._calibrate(obs)
         out = _scaled(obs, self._factors)
-        rows = stage_ratios(out)[-2:]
-        self._readings = tuple(_least([r[s] for r in rows]) for s in range(obs.num_stages))
+        self._readings = tuple(latest_ratios(stage_ratios(out), obs.num_stages))
         return out
 
     def _kept(self) -> tuple[float, ...]:
         """Per stage of the new partition: its factor before the move where it kept its
         layers, else 1.0 (until calibrated)."""
         assert self._bounds is not None and self._before_bounds is not None
-        old, new = self._before_bounds, self._bounds
-        return tuple(
-            self._before_factors[s] if (old[s], old[s + 1]) == (new[s], new[s + 1]) else 1.0
-            for s in range(len(new) - 1)
-        )
+        same = _same_layers(self._before_bounds, self._bounds)
+        return tuple(f if kept else 1.0 for f, kept in zip(self._before_factors, same, strict=True))
 
     def _calibrate(self, obs: Observation) -> None:
         """Each moved stage's factor: its raw reading since the switch (the switch's own
@@ -115,11 +108,10 @@ class Positions:
         if not keep:
             return
         rows = stage_ratios(obs)
-        kept = self._kept()
-        factors = list(kept)
+        factors = list(self._kept())
+        same = _same_layers(self._before_bounds, tuple(obs.bounds))
         for s in range(obs.num_stages):
-            old, new = self._before_bounds, obs.bounds
-            if (old[s], old[s + 1]) == (new[s], new[s + 1]) or s >= len(self._before):
+            if same[s] or s >= len(self._before):
                 continue
             now = [rows[k][s] for k in keep if math.isfinite(rows[k][s])]
             before = self._before[s]

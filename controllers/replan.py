@@ -20,7 +20,13 @@ from adaptipe.controllers.observation import Observation
 from adaptipe.errors import PlanError
 from adaptipe.plan.dynpipe import cycle_time
 
-__all__ = ["best_partition", "predicted_time", "stage_ratios", "stage_slowdowns"]
+__all__ = [
+    "best_partition",
+    "latest_ratios",
+    "predicted_time",
+    "stage_ratios",
+    "stage_slowdowns",
+]
 
 
 def stage_ratios(obs: Observation) -> list[list[float]]:
@@ -37,6 +43,19 @@ def stage_ratios(obs: Observation) -> list[list[float]]:
             row.append(measured / profiled if ok else math.nan)
         out.append(row)
     return out
+
+
+def latest_ratios(ratios: Sequence[Sequence[float]], stages: int) -> list[float]:
+    """Per stage the smaller of the last two rows of `stage_ratios` (the last alone where
+    the one before is missing; NaN for no rows): a load that arrives stays, a
+    one-iteration spike (the bed's link shaping stalled a stage for one iteration at its
+    onset) does not."""
+    if not ratios:
+        return [math.nan] * stages
+    last = list(ratios[-1])
+    if len(ratios) >= 2:
+        last = [min(a, b) if math.isfinite(b) else a for a, b in zip(last, ratios[-2], strict=True)]
+    return last
 
 
 def stage_slowdowns(obs: Observation) -> tuple[float, ...]:
