@@ -338,8 +338,15 @@ def test_two_stage_run_reports_what_each_link_carried(
         assert len(mine) == len(stats) == iterations
         assert all(r["nbytes"] == expected for r in mine)
         assert all(r["seconds"] > 0 and r["bandwidth_Bps"] > 0 for r in mine)
-        # one sample per iteration, right after that iteration's stats: a link is busy
-        # only while the iteration runs
+        # one sample per iteration, taken once the iteration ended (a link is busy only
+        # while it runs) and sent just before its stats, so that the manager has it when
+        # it merges the iteration and decides
+        order = [
+            r["type"]
+            for r in records
+            if r["type"] in ("link_sample", "stage_stats") and r.get("stage", r.get("src")) == src
+        ]
+        assert order == ["link_sample", "stage_stats"] * iterations
         for link, stat in zip(mine, stats, strict=True):
             assert link["seconds"] <= stat["iteration_s"] + 1e-6
             assert link["time_s"] >= stat["time_s"]

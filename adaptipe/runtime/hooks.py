@@ -198,6 +198,12 @@ class _Telemetry(_Hook):
 
     def after_window(self, window: Window) -> None:
         assert window.stats is not None
+        # The links first: the manager merges an iteration, and may decide on it, once
+        # every stage's stats for it are in; sent after them, this window's link samples
+        # missed that decision about one time in two (a throttle then showed an
+        # iteration later).
+        for link in self.transport.link_samples():
+            self.publisher.publish(link)
         mean = per_iteration(window.stats, window.rounds)
         for r in range(window.rounds):
             end_time = window.begun + (window.ended - window.begun) * (r + 1) / window.rounds
@@ -213,8 +219,6 @@ class _Telemetry(_Hook):
                     plan_version=window.plan_version,
                 )
             )
-        for link in self.transport.link_samples():
-            self.publisher.publish(link)
 
     def close(self) -> None:
         self.publisher.close(linger_s=0.5)
