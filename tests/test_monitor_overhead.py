@@ -111,7 +111,7 @@ class _Loop:
     """The two things the manager's wait asks of the decision loop."""
 
     due: bool = False
-    calls: int = 0
+    deciding: bool = False
 
 
 def _waited(wait: pace.Pace, loop: _Loop, collector: Collector) -> float:
@@ -132,7 +132,7 @@ def test_the_manager_waits_for_a_checks_iteration_not_for_a_timer() -> None:
         publisher.publish(_stats(1, 5))
         assert _waited(wait, loop, collector) < 1.0  # woken by the last stage's frame
         assert collector.accepted == 4
-        loop.calls = 1  # a controller call started: its answer is polled for
+        loop.deciding = True  # a controller call started: its answer is polled for
         assert _waited(wait, loop, collector) < 1.0
         loop.due = False  # nothing near: a plain sleep, frames wait for the next pass
         publisher.publish(_stats(0, 6))
@@ -144,12 +144,25 @@ def test_the_manager_polls_a_calls_answer_at_adapt_poll_s(monkeypatch: pytest.Mo
     monkeypatch.setattr(pace, "ADAPT_POLL_S", 0.05)
     with Collector() as collector:
         wait = pace.Pace(poll_s=0.6, stages=1, next_iteration=0)
-        loop = _Loop(due=True, calls=1)  # a call started
+        loop = _Loop(due=True, deciding=True)  # a call started
         took = [_waited(wait, loop, collector) for _ in range(3)]
         assert all(0.04 <= t < 0.4 for t in took), took
         loop.due = False  # its answer is in
+        loop.deciding = False
         assert _waited(wait, loop, collector) >= 0.55
         loop.due = True  # the next check nears, no call yet: wait for its iteration
+        assert _waited(wait, loop, collector) >= 0.55
+
+
+def test_a_check_due_every_iteration_waits_for_its_iteration_once_its_call_answered() -> None:
+    # check_every = 1: a check is due again as soon as a call answers. The manager waits
+    # for the next iteration's telemetry then, not on the 10 ms poll of a call in flight
+    # (which merged iterations before their telemetry came: every decision a step late)
+    with Collector() as collector:
+        wait = pace.Pace(poll_s=0.6, stages=1, next_iteration=0)
+        loop = _Loop(due=True, deciding=True)
+        assert _waited(wait, loop, collector) < 0.4
+        loop.deciding = False  # answered; the next check is due at once
         assert _waited(wait, loop, collector) >= 0.55
 
 

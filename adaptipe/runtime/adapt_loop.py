@@ -184,6 +184,11 @@ class AdaptLoop:
         return not cooling and self._latest + 1 >= self._next_check
 
     @property
+    def deciding(self) -> bool:
+        """Whether a controller call is in flight (its answer not yet taken in)."""
+        return self._call is not None
+
+    @property
     def name(self) -> str:
         return self.decider.name if self.decider is not None else "none"
 

@@ -31,24 +31,25 @@ class Pace:
     it blocks on the collector's socket instead, up to ``poll_s``, until every stage's
     StageStats of that iteration is in: a stage publishes them right after it logs the
     iteration, so the last of those frames comes with the line the check waits for, and
-    no decision is an iteration late. While a controller call runs, it polls every
-    `ADAPT_POLL_S` to take in the answer.
+    no decision is an iteration late. While a controller call runs
+    (`AdaptLoop.deciding`), it polls every `ADAPT_POLL_S` to take in the answer.
+
+    Until session 22 "a call runs" was "a call started since the loop was last not
+    due", which never ended where a check is due every iteration (``check_every = 1``):
+    the manager then polled every 10 ms all along, and a pass that merged an iteration
+    from the stages' files before their telemetry of it came started the check on the
+    iteration before (bench_adaptive: nearly every decision one iteration late, and
+    about 8 passes an iteration on the core of the busiest stage).
     """
 
     poll_s: float
     stages: int
     next_iteration: int  # the iteration the next merge brings
-    calls: int = 0  # the decision loop's calls started, when last seen
-    in_flight: bool = False  # a call started since the loop was last not due
 
     def wait(self, adapt: AdaptLoop | None, collector: Collector | None) -> None:
-        due = adapt is not None and adapt.due
-        if adapt is not None and adapt.calls != self.calls:
-            self.calls, self.in_flight = adapt.calls, True
-        self.in_flight = self.in_flight and due
-        if not due or collector is None:
+        if adapt is None or collector is None or not adapt.due:
             time.sleep(self.poll_s)
-        elif self.in_flight:
+        elif adapt.deciding:
             collector.pump(int(min(self.poll_s, ADAPT_POLL_S) * 1000))
         else:
             deadline = time.monotonic() + self.poll_s
