@@ -38,8 +38,7 @@ class Pace:
     due", which never ended where a check is due every iteration (``check_every = 1``):
     the manager then polled every 10 ms all along, and a pass that merged an iteration
     from the stages' files before their telemetry of it came started the check on the
-    iteration before (bench_adaptive: nearly every decision one iteration late, and
-    about 8 passes an iteration on the core of the busiest stage).
+    iteration before (bench_adaptive: nearly every decision one iteration late).
     """
 
     poll_s: float
