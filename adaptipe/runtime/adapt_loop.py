@@ -176,12 +176,9 @@ class AdaptLoop:
         fast only then (every poll pass costs CPU, `bench/bench_overhead.py`)."""
         if not self.active:
             return False
-        if self._call is not None:
-            return True
-        cooling = self._last_move is not None and (
-            self._latest + 1 < self._last_move + self.settings.cooldown
-        )
-        return not cooling and self._latest + 1 >= self._next_check
+        last = self._last_move
+        cooling = last is not None and self._latest + 1 < last + self.settings.cooldown
+        return self.deciding or (not cooling and self._latest + 1 >= self._next_check)
 
     @property
     def deciding(self) -> bool:
