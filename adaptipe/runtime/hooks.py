@@ -200,8 +200,7 @@ class _Telemetry(_Hook):
         assert window.stats is not None
         # The links first: the manager merges an iteration, and may decide on it, once
         # every stage's stats for it are in; sent after them, this window's link samples
-        # missed that decision about one time in two (a throttle then showed an
-        # iteration later).
+        # could miss that decision (seen on the bed: a throttle showed a check later).
         for link in self.transport.link_samples():
             self.publisher.publish(link)
         mean = per_iteration(window.stats, window.rounds)
