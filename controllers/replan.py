@@ -32,15 +32,15 @@ __all__ = [
 def stage_ratios(obs: Observation) -> list[list[float]]:
     """Per window iteration, per stage in force: its layers' measured forward + backward
     seconds over their profiled seconds (NaN where a layer of it was not measured)."""
+    stages = [range(obs.bounds[s], obs.bounds[s + 1]) for s in range(obs.num_stages)]
+    profiled = [sum(obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in r) for r in stages]
     out = []
     for fwd, bwd in zip(obs.measured_forward_s, obs.measured_backward_s, strict=True):
         row = []
-        for s in range(obs.num_stages):
-            layers = range(obs.bounds[s], obs.bounds[s + 1])
+        for layers, want in zip(stages, profiled, strict=True):
             measured = sum(fwd[i] + bwd[i] for i in layers)
-            profiled = sum(obs.layer_forward_s[i] + obs.layer_backward_s[i] for i in layers)
-            ok = profiled > 0 and math.isfinite(measured)
-            row.append(measured / profiled if ok else math.nan)
+            ok = want > 0 and math.isfinite(measured)
+            row.append(measured / want if ok else math.nan)
         out.append(row)
     return out
 
