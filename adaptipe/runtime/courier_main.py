@@ -177,7 +177,8 @@ class _Move:
         )  # fmt: skip
         self.tell({"kind": "sent", "k": msg["k"], "slot": msg.get("slot"), "log": msg["log"],
                    "bytes": sent.bytes, "chunks": sent.chunks, "yielded_s": sent.yielded_s,
-                   "paced_s": sent.paced_s})  # fmt: skip
+                   "paced_s": sent.paced_s,
+                   "base_s": 0.0 if msg["log"] or self.pace is None else self.pace.span_s})  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
     def _receive_loop(self) -> None:

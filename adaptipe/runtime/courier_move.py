@@ -55,6 +55,7 @@ from adaptipe.runtime.streamproto import (
     local_host,
     state_buffers,
     stream_fault,
+    wait_until,
 )
 
 __all__ = ["CourierMove"]
@@ -98,11 +99,13 @@ class CourierMove:
         self._copies: dict[int, LayerSlot] = {}
         self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
         self._sent: dict[str, float] = {
-            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0
+            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0,
+            "base_s": 0.0
         }  # fmt: skip
         self._received = 0
+        self._handed = self._reported = 0  # payloads handed to the helper / said sent
         self._stop = threading.Event()
-        self._progress = threading.Condition()  # guards _applied; notified as copies advance
+        self._progress = threading.Condition()  # guards _applied, _handed, _reported
         self._address: queue.Queue[str] = queue.Queue()
         self._final = threading.Event()
         self._files: list[Path] = []
@@ -207,6 +210,7 @@ class CourierMove:
                 meta = {"layers": list(move.layers), "log": entries}
                 metadata = {"adaptipe_stream": json.dumps(meta)}
                 safetensors.torch.save_file(snapshot, str(path), metadata=metadata)
+                self._hand()
                 self._courier.send({"kind": "send", "move": self.version, "k": k, "stream": k,
                                     "dst": move.dst, "path": str(path), "log": False})  # fmt: skip
         except Exception as exc:
@@ -251,6 +255,8 @@ class CourierMove:
             self._adopt(self.stage.steps_done - self.base_step)
             mine = FAILED if self._error else READY
         agreed = self._agree(mine)
+        if agreed == READY and self.outgoing:  # the receivers have it all; the helper's
+            wait_until(self._progress, self._all_reported, self._deadline)  # word may lag
         self.close()
         if agreed == READY:
             self.stage.reshape(layer_lists, {}, built=self._copies)
@@ -259,8 +265,20 @@ class CourierMove:
             report.cause = self._error or "another worker's side failed"
         return finish_report(
             report, self.stage, self._sent, self._received, t0=t0,
-            boundaries=self.boundaries, started=self.started,
+            boundaries=self.boundaries, started=self.started, pace_Bps=self.settings.pace_Bps,
         )  # fmt: skip
+
+    @property
+    def _deadline(self) -> float:
+        return self.started + self.settings.timeout_s
+
+    def _hand(self) -> None:
+        with self._progress:
+            self._handed += 1
+
+    def _all_reported(self) -> bool:
+        """Whether the helper said it sent each payload handed to it (or can say no more)."""
+        return self._reported >= self._handed or bool(self._error) or not self._courier.alive
 
     def _adopt(self, done: int) -> None:
         """Wait for the copies to replay ``done`` steps, then load their state into the
@@ -327,6 +345,7 @@ class CourierMove:
             msg = {"kind": "send", "move": self.version, "k": k, "stream": n * PER_STEP + k,
                    "dst": move.dst, "path": str(ring.path), "offset": free * ring.slot_bytes,
                    "nbytes": ring.slot_bytes, "slot": free, "log": True}  # fmt: skip
+            self._hand()
             if event is None:
                 self._courier.send(msg)
             else:
@@ -359,10 +378,14 @@ class CourierMove:
         if kind == "address":
             self._address.put(str(msg["address"]))
         elif kind == "sent":
-            self._sent["bytes"] += msg["bytes"]
-            self._sent["chunks"] += msg["chunks"]
-            self._sent["yielded_s"] += msg["yielded_s"]
-            self._sent["paced_s"] += msg["paced_s"]
+            with self._progress:
+                self._sent["bytes"] += msg["bytes"]
+                self._sent["chunks"] += msg["chunks"]
+                self._sent["yielded_s"] += msg["yielded_s"]
+                self._sent["paced_s"] += msg["paced_s"]
+                self._sent["base_s"] = max(self._sent["base_s"], msg["base_s"])
+                self._reported += 1
+                self._progress.notify_all()
             if msg["log"]:
                 self._sent["log_bytes"] += msg["bytes"]
                 self._rings[int(msg["k"])].give(int(msg["slot"]))

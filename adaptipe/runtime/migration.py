@@ -82,13 +82,16 @@ class MigrationReport:
     # streamed only: boundaries and seconds from the first boundary to the switch, the
     # gradient log's share of the bytes, chunks sent, seconds spent yielding to the
     # stage's own sends and held back by the base copy's pace (``seconds`` is then the
-    # stall at the switch)
+    # stall at the switch), that pace (bytes a second; 0: unpaced) and, paced, the
+    # seconds from the base copy's first chunk to its last
     streamed_iterations: int = 0
     streamed_s: float = 0.0
     log_bytes: int = 0
     chunks: int = 0
     yielded_s: float = 0.0
     paced_s: float = 0.0
+    pace_Bps: float = 0.0
+    base_s: float = 0.0
     streamer: str = ""  # streamed only: "thread" or "process" (the worker's helper)
 
     def to_json(self) -> dict[str, Any]:
@@ -101,6 +104,8 @@ class MigrationReport:
             "chunks": self.chunks,
             "yielded_s": self.yielded_s,
             "paced_s": self.paced_s,
+            "pace_Bps": self.pace_Bps,
+            "base_s": self.base_s,
             "ok": self.ok,
             "moves": [{"layers": list(m.layers), "src": m.src, "dst": m.dst} for m in self.moves],
             "cause": self.cause,

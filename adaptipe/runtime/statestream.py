@@ -88,6 +88,12 @@ class Pace:
     rate_Bps: float
     began: float | None = None  # time.monotonic() of the first chunk
     sent: int = 0  # bytes of the sequence sent so far
+    ended: float | None = None  # time.monotonic() when the latest payload's chunks were queued
+
+    @property
+    def span_s(self) -> float:
+        """Seconds from the first chunk to the latest payload's last (0 before any)."""
+        return 0.0 if self.began is None or self.ended is None else self.ended - self.began
 
 
 def _context(prioritise: bool) -> zmq.Context[Any]:
@@ -249,6 +255,7 @@ class StateSender:
             self._sock.send_multipart([header, chunk], copy=False)
         if pace is not None:
             pace.sent += len(payload)
+            pace.ended = time.monotonic()
         return StreamReport(count, len(payload), time.monotonic() - t0, yielded, paced)
 
     def close(self) -> None:

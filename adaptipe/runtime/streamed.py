@@ -79,6 +79,7 @@ from adaptipe.runtime.streamproto import (
     local_host,
     state_buffers,
     stream_fault,
+    wait_until,
 )
 from adaptipe.runtime.tensorpack import Staged, pack_staged
 
@@ -134,11 +135,13 @@ class StreamedMove:
         self._copies: dict[int, LayerSlot] = {}
         self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
         self._sent: dict[str, float] = {
-            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0
+            "bytes": 0, "chunks": 0, "yielded_s": 0.0, "paced_s": 0.0, "log_bytes": 0,
+            "base_s": 0.0
         }  # fmt: skip
         self._received = 0
+        self._handed = self._reported = 0  # payloads queued to send / sent
         self._stop = threading.Event()
-        self._progress = threading.Condition()  # guards _applied; notified as copies advance
+        self._progress = threading.Condition()  # guards _applied, _handed, _reported
         # (rank, order, what): the log before the base (see `_send_all`); None stops
         self._outbox: queue.PriorityQueue[tuple[int, int, _Send | None]] = queue.PriorityQueue()
         self._order = itertools.count()
@@ -226,7 +229,9 @@ class StreamedMove:
                     self._progress.wait(min(left, 0.5))
             mine = FAILED if self._error else READY
         agreed = self._agree(mine)
-        self.close()
+        if agreed == READY and self.outgoing:  # the receivers have it all; the sending
+            wait_until(self._progress, self._all_reported, self.started + self.settings.timeout_s)
+        self.close()  # thread's count of it may lag
         if agreed == READY:
             self.stage.reshape(layer_lists, {}, built=self._copies)
             report.ok = True
@@ -234,8 +239,11 @@ class StreamedMove:
             report.cause = self._error or "another worker's side failed"
         return finish_report(
             report, self.stage, self._sent, self._received, t0=t0,
-            boundaries=self.boundaries, started=self.started,
+            boundaries=self.boundaries, started=self.started, pace_Bps=self.settings.pace_Bps,
         )  # fmt: skip
+
+    def _all_reported(self) -> bool:
+        return self._reported >= self._handed or bool(self._error)
 
     def close(self, *, wait: bool = False) -> None:
         """Stop streaming (after the switch, or when the move is dropped). The threads
@@ -274,6 +282,9 @@ class StreamedMove:
             self._put(_LOG_RANK, _Send(n * PER_STEP + k, move.dst, body, paced=False))
 
     def _put(self, rank: int, item: _Send | None) -> None:
+        if item is not None:
+            with self._progress:
+                self._handed += 1
         self._outbox.put((rank, next(self._order), item))
 
     def _send_loop(self) -> None:
@@ -309,13 +320,18 @@ class StreamedMove:
             pace=self._pace if item.paced else None,  # one pace over every layer's payload
             while_ahead=self._send_logged if item.paced else None,
         )  # fmt: skip
-        self._sent["bytes"] += sent.bytes
-        self._sent["chunks"] += sent.chunks
-        self._sent["yielded_s"] += sent.yielded_s
-        self._sent["paced_s"] += sent.paced_s
-        if not item.paced:
-            self._sent["log_bytes"] += sent.bytes
-            self._log_sent += 1
+        with self._progress:
+            self._sent["bytes"] += sent.bytes
+            self._sent["chunks"] += sent.chunks
+            self._sent["yielded_s"] += sent.yielded_s
+            self._sent["paced_s"] += sent.paced_s
+            if item.paced and self._pace is not None:
+                self._sent["base_s"] = self._pace.span_s
+            if not item.paced:
+                self._sent["log_bytes"] += sent.bytes
+                self._log_sent += 1
+            self._reported += 1
+            self._progress.notify_all()
 
     def _send_logged(self) -> None:
         """The logged steps queued now (while a base payload waits for its pace)."""

@@ -11,8 +11,9 @@ import ipaddress
 import json
 import os
 import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "local_host",
     "state_buffers",
     "stream_fault",
+    "wait_until",
 ]
 
 READY, WAIT, FAILED = 1, 0, -1
@@ -77,6 +79,18 @@ def base_pace(state_bytes: int, iteration_s: float, iterations: int) -> float:
     return state_bytes / (iterations * iteration_s)
 
 
+def wait_until(progress: threading.Condition, done: Callable[[], bool], deadline: float) -> bool:
+    """Wait on ``progress`` (notified as things advance) until ``done()`` (read under
+    it) or the monotonic ``deadline``; whether it is done."""
+    with progress:
+        while not done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            progress.wait(min(left, 0.05))
+        return True
+
+
 def finish_report(
     report: MigrationReport,
     stage: Stage,
@@ -86,6 +100,7 @@ def finish_report(
     t0: float,
     boundaries: int,
     started: float,
+    pace_Bps: float,
 ) -> MigrationReport:
     """Fill a streamed move's ``report`` at its switch (begun at ``t0``, perf counter):
     bytes, the layers held now, the stall, and how long and how much it streamed."""
@@ -98,6 +113,8 @@ def finish_report(
     report.chunks = int(sent["chunks"])
     report.yielded_s = sent["yielded_s"]
     report.paced_s = sent["paced_s"]
+    report.pace_Bps = pace_Bps
+    report.base_s = sent["base_s"]
     return report
 
 
