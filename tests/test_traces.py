@@ -283,8 +283,12 @@ def test_a_real_run_records_the_slowdown_injected_into_stage_1(
     # fresh clone's run once saw the start at 21 of a 10-iteration injection: it lasts 20)
     assert 10 <= start < end and end - start >= 3
     slow = trace.slowdowns()
-    assert statistics.median(slow[start + 1 : end, 1]) > 2.5
-    assert statistics.median(slow[start + 1 : end, 0]) < 1.6
+    slowed = statistics.median(slow[start + 1 : end, 1])
+    assert slowed > 2.5
+    # the trace puts it on stage 1. Stage 0 reads above 1 meanwhile, as it measures: a core
+    # that waited runs its next operations slower (docs/adaptive.md), more so on a busy
+    # machine (1.1-1.3 quiet, 1.4-1.5 beside two busy loops, 1.66 once in a full suite)
+    assert statistics.median(slow[start + 1 : end, 0]) < slowed / 2
     assert statistics.median(slow[1:start, 1]) < 1.5
     assert np.all(np.isfinite(trace.bandwidths()[1:]))  # measured from the first sends on
     assert len({len(row.device) for row in trace.rows}) == 1
