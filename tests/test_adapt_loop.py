@@ -242,6 +242,8 @@ def test_a_move_is_committed_when_the_controller_answers_not_at_the_next_poll(
     assert committed is not None and list(committed.bounds) == [0, 1, 6]
     (event,) = loop.poll([])
     assert event["acted"] and event["version"] == 1 and loop._call is None
+    # it slept: its seconds are the call's wall time, cpu_seconds what its thread computed
+    assert event["seconds"] >= 0.05 > 0.02 > event["cpu_seconds"] >= 0
 
 
 def test_a_controller_that_raises_is_an_error_event_and_the_loop_goes_on(run: RunDir) -> None:

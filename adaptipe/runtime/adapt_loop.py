@@ -20,8 +20,8 @@ the artifacts it decides with, is named in ``control/controller.json``.
 Events (one JSON line each in ``control.jsonl``)::
 
     {"event": "decision", "iteration", "controller", "bounds" (in force), "decision"
-     (Decision.to_json() or null), "acted", "dry_run", "inputs", "seconds",
-     ["version" (committed), "error"]}
+     (Decision.to_json() or null), "acted", "dry_run", "inputs", "seconds", "cpu_seconds"
+     (its thread's: seconds less waiting for a core), ["version" (committed), "error"]}
     {"event": "decision_outcome", "iteration" (the decision's), "version", "switched_at",
      "before_s", "after_s", "predicted_gain_s", "realised_gain_s"}
 
@@ -390,6 +390,7 @@ class AdaptLoop:
             "bounds": list(bounds),
             "dry_run": self.settings.dry_run,
             "seconds": round(call.seconds(), 6),
+            "cpu_seconds": round(call.cpu_s, 6),
         }
 
     def _event(self, call: DeciderCall) -> dict[str, Any]:

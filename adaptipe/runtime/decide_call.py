@@ -4,6 +4,7 @@ thread of its own, and the answer it gives."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ class DeciderCall:
     ) -> None:
         self.clock, self.started = clock, clock()
         self.ended: float | None = None
+        self.cpu_s = 0.0  # the call's thread's CPU seconds: ``seconds`` less waiting for a core
         self.result: Verdict | None = None
         self.acted: dict[str, Any] = {}  # what acting on the verdict added to its event
         self.error: BaseException | None = None
@@ -47,6 +49,7 @@ class DeciderCall:
 
     def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
         verdict: Verdict | None = None
+        cpu = time.thread_time()
         try:
             verdict = fn()
         except Exception as exc:  # a controller's fault is logged, never raised
@@ -59,6 +62,7 @@ class DeciderCall:
                 except Exception as exc:
                     self.error = exc
                 finally:
+                    self.cpu_s = time.thread_time() - cpu
                     self.ended = self.clock()
 
     @property

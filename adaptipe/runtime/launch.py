@@ -34,6 +34,7 @@ from adaptipe.runtime.control import (
     mark_manager,
     unadopted_stops,
 )
+from adaptipe.runtime.heap import settled
 from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
 from adaptipe.runtime.managerinfo import read_manager
@@ -125,8 +126,7 @@ def prepare(
     if run.metrics.exists():
         run.metrics.unlink()
     run.summary.unlink(missing_ok=True)  # an earlier attempt's: this run has not finished
-    # A fresh run: an earlier attempt's stop requests, active sets and recorded switches
-    # (kept for resumes) must not apply to it.
+    # A fresh run: an earlier attempt's stop requests, active sets and switches must go.
     shutil.rmtree(run.root / "control", ignore_errors=True)
     return run, config
 
@@ -386,6 +386,7 @@ def _run(
             sigterm_raises(),
             run.metrics.open("a") as metrics,
             (run.root / "control.jsonl").open("a") as control_log,
+            settled(),  # no full collection walks the start-up heap while it trains
         ):
             _follow(launch, metrics, control_log, poll_s=poll_s)
     finally:
@@ -455,9 +456,8 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
     if controller is not None:
         for event in controller.poll():  # requests that came with the last records
             control_log.write(json_line(event))
-        # A stop that came in the last window changed nothing: say so.
         late = unadopted_stops(launch.run, launch.cfg)
-        if late:
+        if late:  # a stop that came in the last window changed nothing: say so
             event = {"event": "stop_unadopted", "jobs": sorted(late), "why": LATE_STOP}
             control_log.write(json_line(event))
 

@@ -50,6 +50,7 @@ from adaptipe.runtime.control import checkpoint_due
 from adaptipe.runtime.data import BatchStream, RoundFeed
 from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.handshake import negotiate_shapes
+from adaptipe.runtime.heap import settled
 from adaptipe.runtime.hooks import (
     FAULT_ENV,
     TELEMETRY_ENV,
@@ -265,6 +266,7 @@ class _Worker:
             cleanup.callback(_close_memory, stage)  # its copy thread (the one in use then)
             ready = {"event": "ready", "stage": rank, "pid": os.getpid(), "threads": threads}
             log(fh, {**ready, "device": str(stage.device), "start": self.start})
+            cleanup.enter_context(settled())  # no full collection walks the start-up heap
             dist.barrier()
             it, epoch = self.start, 0  # epoch: windows run so far (keeps transfers apart)
             while it < self.total:
