@@ -111,17 +111,23 @@ def _stage_ends(run_dir: Path, stages: int) -> dict[int, list[float]]:
 
 
 def decisions(control: Path) -> dict[str, Any]:
-    """The controller calls' own ``seconds`` from control.jsonl (median, p99, max)."""
+    """The controller calls' own ``seconds`` from control.jsonl (median, p99, max) and
+    their threads' CPU (``cpu_seconds``, where logged: median and max)."""
     events = [json.loads(x) for x in control.read_text().splitlines()] if control.exists() else []
-    secs = sorted(e["seconds"] for e in events if e.get("event") == "decision")
+    calls = [e for e in events if e.get("event") == "decision"]
+    secs = sorted(e["seconds"] for e in calls)
     if not secs:
         return {"count": 0}
     p99 = secs[min(len(secs) - 1, math.ceil(0.99 * len(secs)) - 1)]
+    cpu = sorted(e["cpu_seconds"] for e in calls if "cpu_seconds" in e)
     return {
         "count": len(secs),
         "median_ms": round(statistics.median(secs) * 1e3, 3),
         "p99_ms": round(p99 * 1e3, 3),
         "max_ms": round(secs[-1] * 1e3, 3),
+        "over_10ms": sum(1 for s in secs if s > 0.010),
+        "cpu_median_ms": round(statistics.median(cpu) * 1e3, 3) if cpu else None,
+        "cpu_max_ms": round(cpu[-1] * 1e3, 3) if cpu else None,
         "acted": sum(1 for e in events if e.get("event") == "decision" and e.get("acted")),
         "errors": sum(1 for e in events if e.get("event") == "decision" and "error" in e),
         "migrations": sum(1 for e in events if e.get("event") == "migration"),
@@ -322,6 +328,8 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_ms_max_over_runs": max(r["median_ms"] for r in runs),
         "p99_ms_max_over_runs": max(r["p99_ms"] for r in runs),
         "max_ms": max(r["max_ms"] for r in runs),
+        "over_10ms": sum(r.get("over_10ms", 0) for r in runs),
+        "cpu_max_ms": max((r["cpu_max_ms"] for r in runs if r.get("cpu_max_ms")), default=None),
     }
 
 

@@ -144,11 +144,15 @@ def test_account_divides_by_the_iterations_the_stages_finished_in_the_window() -
 
 def test_decisions_give_the_calls_seconds_median_p99_and_max(tmp_path: Path) -> None:
     path = tmp_path / "control.jsonl"
-    lines = [{"event": "decision", "seconds": s / 1e3, "acted": False} for s in (1, 2, 3, 40)]
+    lines = [
+        {"event": "decision", "seconds": s / 1e3, "cpu_seconds": s / 2e3, "acted": False}
+        for s in (1, 2, 3, 40)
+    ]
     lines += [{"event": "migration", "ok": True}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     got = decisions(path)
     assert got["count"] == 4 and got["median_ms"] == pytest.approx(2.5)
     assert got["p99_ms"] == pytest.approx(40) and got["max_ms"] == pytest.approx(40)
-    assert got["migrations"] == 1 and got["acted"] == 0
+    assert got["migrations"] == 1 and got["acted"] == 0 and got["over_10ms"] == 1
+    assert got["cpu_median_ms"] == pytest.approx(1.25) and got["cpu_max_ms"] == pytest.approx(20)
     assert decisions(tmp_path / "missing.jsonl") == {"count": 0}
