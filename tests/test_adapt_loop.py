@@ -270,7 +270,7 @@ def test_a_hung_controller_times_out_and_is_not_called_again_while_it_runs(
     while time.monotonic() - t0 < 0.8:  # past the timeout, more iterations and checks
         start = time.monotonic()
         events += tele.run(loop, tele.next)
-        assert time.monotonic() - start < 0.1  # the poll never waits for the call
+        assert time.monotonic() - start < 0.5  # never waits for the call (>= 0.7 s left)
         time.sleep(0.05)
     assert [e["error"] for e in events if e["event"] == "decision"] == [
         "timed out after 0.2 s (decide_timeout_s); its answer will be dropped and no "
