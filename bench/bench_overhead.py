@@ -23,7 +23,8 @@ metrics and writes logs with or without telemetry and, since session 15, drives 
 telemetry collector itself, so B's collector work is in B's main thread less A's),
 ``adaptipe-collec``tor where a collector runs its own thread (before session 15),
 ZeroMQ's ``ZMQbg/*``, this bench's own sampler (left out), and "exited" (the process's
-CPU less its live threads': the short-lived ``adaptipe-decide`` threads); in a stage, the
+CPU less its live threads': before session 23 the short-lived ``adaptipe-decide``
+threads, one per call; since, the loop's one ``adaptipe-decide`` thread is "other"); in a stage, the
 training thread (tid = pid), ``adaptipe-sample``r, ``ZMQbg/*``, link watchers
 (``adaptipe-l*``) and the rest.
 

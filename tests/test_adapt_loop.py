@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -29,6 +30,7 @@ from adaptipe.plan.partition import Partition
 from adaptipe.runtime.adapt_config import AdaptSection
 from adaptipe.runtime.adapt_loop import AdaptLoop, Verdict
 from adaptipe.runtime.config import RunConfig
+from adaptipe.runtime.decide_call import DeciderCall, DecideThread
 from adaptipe.runtime.launch import prepare, train
 from adaptipe.runtime.planversion import current_version, read_active, record_adoption
 from adaptipe.runtime.repartition import repartition
@@ -244,6 +246,31 @@ def test_a_move_is_committed_when_the_controller_answers_not_at_the_next_poll(
     assert event["acted"] and event["version"] == 1 and loop._call is None
     # it slept: its seconds are the call's wall time, cpu_seconds what its thread computed
     assert event["seconds"] >= 0.05 > 0.02 > event["cpu_seconds"] >= 0
+
+
+def test_calls_are_handed_to_one_thread_and_run_there_one_after_another() -> None:
+    """The loop never waits for a call to start: `submit` returns while the thread is
+    busy with an earlier call, and every call runs on that one thread, in order."""
+    thread, gate, ran = DecideThread(), threading.Event(), []
+    busy = DeciderCall(lambda: _wait_then(gate, ran, "first"), lambda v: {}, time.monotonic, thread)
+    second = DeciderCall(
+        lambda: _wait_then(None, ran, "second"), lambda v: {}, time.monotonic, thread
+    )
+    assert ran == [] and not busy.done  # both handed over; the first still waits
+    gate.set()
+    deadline = time.monotonic() + 5.0
+    while not second.done and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [name for name, _ in ran] == ["first", "second"]
+    assert ran[0][1] == ran[1][1] != threading.get_ident()  # one thread, not the caller's
+    thread.close()
+
+
+def _wait_then(gate: threading.Event | None, ran: list[tuple[str, int]], name: str) -> Verdict:
+    if gate is not None:
+        assert gate.wait(5.0)
+    ran.append((name, threading.get_ident()))
+    return Verdict(bounds=None, decision={"bounds": None, "reason": name})
 
 
 def test_a_controller_that_raises_is_an_error_event_and_the_loop_goes_on(run: RunDir) -> None:

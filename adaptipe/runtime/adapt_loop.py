@@ -70,7 +70,7 @@ from adaptipe.runtime.adapt_requests import (
     read_override,
 )
 from adaptipe.runtime.adapt_state import load_state, record_controller, save_state
-from adaptipe.runtime.decide_call import DeciderCall, Verdict
+from adaptipe.runtime.decide_call import DeciderCall, DecideThread, Verdict
 from adaptipe.runtime.memory_relief import MemoryRelief
 from adaptipe.runtime.planversion import adoptions, current_version, read_active
 from adaptipe.runtime.repartition import repartition
@@ -138,10 +138,8 @@ class AdaptLoop:
         memory_warnings: bool = True,
     ) -> None:
         self.run, self.settings, self.decider = run, settings, decider
-        self._checkpoint_due = checkpoint_due
-        self._rebuild = rebuild
-        self.paused = False
-        self._override_seq = 0
+        self._checkpoint_due, self._rebuild = checkpoint_due, rebuild
+        self.paused, self._override_seq = False, 0
         self._override_stamp: tuple[int, int] | None = None
         self._asked_by = self.name  # the controller of the call in flight
         # adaptipe adapt --controller: the controller being built, and the request
@@ -152,10 +150,10 @@ class AdaptLoop:
         self._records, self._clock, self._start = records, clock, start
         self._in_force_cache: tuple[int, float, tuple[int, Partition] | None] | None = None
         self._commit = commit if commit is not None else self._repartition
-        self._latest = start - 1  # the last merged iteration
-        self._next_check = start
+        self._latest, self._next_check = start - 1, start  # the last merged, the next check
         self._times: dict[int, float] = {}  # merged iteration -> its seconds
         self._call: DeciderCall | None = None
+        self._thread = DecideThread()  # where calls run
         self._asked: tuple[int, tuple[int, ...]] = (start, ())  # iteration, bounds in force
         self._pending: list[_Pending] = []
         self._last_move: int | None = None  # the iteration of the last committed move
@@ -311,6 +309,7 @@ class AdaptLoop:
 
     def close(self) -> list[dict[str, Any]]:
         """The run ended: the events of a call that has finished by now."""
+        self._thread.close()  # after the call it runs, if any
         return self._collect() if self._call is not None and self._call.done else []
 
     # ------------------------------------------------------------------ calls
@@ -330,7 +329,8 @@ class AdaptLoop:
         assert decider is not None  # active
         self._asked = (self._latest, tuple(partition.bounds))
         self._asked_by = decider.name
-        self._call = DeciderCall(lambda: decider(records, partition), self._act, self._clock)
+        fn = lambda: decider(records, partition)  # noqa: E731
+        self._call = DeciderCall(fn, self._act, self._clock, thread=self._thread)
         self.calls += 1
         self._next_check = self._latest + self.settings.check_every
 

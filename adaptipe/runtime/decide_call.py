@@ -1,15 +1,16 @@
-"""One controller call of the decision loop (`adaptipe.runtime.adapt_loop`), on a
-thread of its own, and the answer it gives."""
+"""One controller call of the decision loop (`adaptipe.runtime.adapt_loop`), on the
+loop's decision thread, and the answer it gives."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DeciderCall", "Verdict"]
+__all__ = ["DecideThread", "DeciderCall", "Verdict"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,8 +23,35 @@ class Verdict:
     inputs: Mapping[str, Any] = field(default_factory=dict)
 
 
+class DecideThread:
+    """The daemon thread (a hung controller never holds up exit) that runs a loop's
+    calls, one after another. One thread started per call made the manager's loop wait
+    for each new thread to run (`threading.Thread.start` does), on a machine whose cores
+    the stages fill up to a scheduler time slice; a call is now handed over and the loop
+    goes on. Started with the first call; `close` ends it after the call it runs."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, run: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="adaptipe-decide", daemon=True)
+            self._thread.start()
+        self._calls.put(run)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while (run := self._calls.get()) is not None:
+            run()
+
+
 class DeciderCall:
-    """One decider call on a daemon thread (a hung controller never holds up exit).
+    """One decider call on ``thread`` (a `DecideThread`; None: a thread of its own).
 
     ``act`` runs on the same thread with the verdict, unless the call has been logged
     as timed out by then (``lock`` orders the two): a late answer is dropped."""
@@ -33,6 +61,7 @@ class DeciderCall:
         fn: Callable[[], Verdict],
         act: Callable[[Verdict], dict[str, Any]],
         clock: Callable[[], float],
+        thread: DecideThread | None = None,
     ) -> None:
         self.clock, self.started = clock, clock()
         self.ended: float | None = None
@@ -42,10 +71,7 @@ class DeciderCall:
         self.error: BaseException | None = None
         self.timed_out = False  # logged as timed out: its answer is dropped
         self.lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, args=(fn, act), name="adaptipe-decide", daemon=True
-        )
-        self._thread.start()
+        (thread or DecideThread()).submit(lambda: self._run(fn, act))
 
     def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
         verdict: Verdict | None = None
