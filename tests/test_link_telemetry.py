@@ -24,11 +24,11 @@ from adaptipe.monitor.bandwidth import (
     SATURATED,
     BusyTally,
     FastEnd,
-    LinkTimer,
     LinkWatcher,
     link_bandwidth,
 )
 from adaptipe.monitor.capacity import RAISE, LinkCapacity
+from adaptipe.monitor.linktimer import LinkTimer
 from adaptipe.monitor.schema import MonitorError
 from adaptipe.runtime import train
 from adaptipe.runtime.config import RunConfig

@@ -11,16 +11,21 @@ moved the big activations back onto the throttled link and off again every coold
 `LinkCapacity` keeps the rate a link carried while it was the bottleneck (saturated two
 iterations in a row) and reports no more than that for it until the link carries more
 than ``RAISE`` times that rate over a whole iteration, which shows the rate rose. A
-link that has never been the bottleneck reports as before. The price: while a cut
-carries less than the remembered rate, the end of a throttle does not show (nothing
-that passes tells it), so a controller stays on the cut it moved to.
+link that has never been the bottleneck reports as before. While a cut carries less
+than the remembered rate, nothing that passes shows the end of a throttle: a probe
+does (`adaptipe.runtime.link_probe`: a payload timed to its receiver's reply, sized to
+the remembered rate). `probe_bytes` says when one is worth sending and how large;
+`probed` takes its rate in: more than ``RAISE`` times the remembered rate forgets it,
+less than it over ``RAISE`` lowers it.
 """
 
 from __future__ import annotations
 
-__all__ = ["RAISE", "LinkCapacity"]
+__all__ = ["PROBE_S", "RAISE", "LinkCapacity"]
 
 RAISE = 1.2
+PROBE_S = 0.02  # a probe's payload takes about this long at the remembered rate
+_PROBE_BYTES = (32 << 10, 4 << 20)  # at least beyond a token bucket's 1 ms burst and RTTs
 
 
 class LinkCapacity:
@@ -40,3 +45,24 @@ class LinkCapacity:
         if rate is not None and span_s > 0 and nbytes / span_s > RAISE * rate:
             self.rate_Bps = rate = None  # it carried more: the rate rose
         return reported_Bps if rate is None else min(reported_Bps, rate)
+
+    def probe_bytes(self, *, saturated: bool) -> int:
+        """How large a probe to send now (0: none): only where a remembered rate bounds
+        what the link reports and its traffic is too light to show more (not
+        ``saturated``); about ``PROBE_S`` of payload at that rate."""
+        if self.rate_Bps is None or saturated:
+            return 0
+        low, high = _PROBE_BYTES
+        return int(min(max(self.rate_Bps * PROBE_S, low), high))
+
+    def probed(self, rate_Bps: float) -> None:
+        """A probe's rate: above ``RAISE`` times the remembered rate the limit is gone
+        (forgotten); below it over ``RAISE`` the limit tightened (remembered); between,
+        nothing changes (a probe's own overheads read a link a little slow)."""
+        rate = self.rate_Bps
+        if rate is None or not rate_Bps > 0:
+            return
+        if rate_Bps > RAISE * rate:
+            self.rate_Bps = None
+        elif rate_Bps * RAISE < rate:
+            self.rate_Bps = rate_Bps

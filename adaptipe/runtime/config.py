@@ -46,6 +46,7 @@ complete example::
     telemetry = true            # stream stage stats and device samples to the manager
     telemetry_interval_s = 0.5  # device-status sample period, 0.1-0.5 s
     link_telemetry = false      # also time every send per link (a watcher thread per peer)
+    link_probe_every = 10       # with link_telemetry: probe a remembered throttle (0: never)
     threads_per_stage = 4       # defaults to cores // stages
     run_dir = "runs/gpt"        # defaults to runs/<config file stem>
     stage_memory_mb = 8000      # memory early warning per stage (MB), or a list per stage

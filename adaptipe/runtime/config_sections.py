@@ -202,6 +202,9 @@ class TrainSection:
     # Off by default: the per-peer watcher threads cost CPU that a small machine's stages
     # need (on 2 cores, stage compute rose ~10-25% and a pinned CPU hog no longer showed).
     link_telemetry: bool = False
+    # With link_telemetry: every this many iterations, probe a link that a remembered
+    # throttle bounds and light traffic cannot show recovered (`runtime.link_probe`); 0: never.
+    link_probe_every: int = field(default=10, metadata=_rule(minimum=0))
     # Record a per-instruction timeline of iterations trace_start .. +trace_iterations-1
     # into RUN_DIR/trace/ (`adaptipe trace RUN_DIR` draws it); 0 records nothing.
     trace_iterations: int = field(default=0, metadata=_rule(minimum=0))

@@ -22,7 +22,7 @@ NCCL refuses.
 
 With ``measure_links`` (telemetry on), every send is also timed per peer link, from the
 moment :meth:`P2PTransport.send` is called (so an injected throttle's delay counts) to
-its completion, by a :class:`~adaptipe.monitor.bandwidth.LinkTimer`; see
+its completion, by a :class:`~adaptipe.monitor.linktimer.LinkTimer`; see
 :meth:`P2PTransport.link_samples`. Without it nothing extra runs.
 """
 
@@ -37,8 +37,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from adaptipe.monitor.bandwidth import LinkTimer
+from adaptipe.monitor.linktimer import LinkTimer
 from adaptipe.monitor.schema import LinkSample
+from adaptipe.runtime.link_probe import PROBE_TAGS
 
 __all__ = [
     "ACTIVATION",
@@ -194,7 +195,7 @@ class P2PTransport:
         self._watch_waits = self.wire.type != "cuda"
         if measure_links:
             self._links = LinkTimer(rank, poll_s=None if self._watch_waits else _POLL_S)
-        if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= 2**31:
+        if (4 * num_jobs * num_microbatches * max(num_boundaries, 1) * 2) >= min(PROBE_TAGS):
             raise ValueError("too many transfers per iteration to tag uniquely")
 
     def _tag(self, key: TransferKey) -> int:
@@ -275,9 +276,7 @@ class P2PTransport:
         if self._links is not None and not self._watch_waits:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()
-        if self.throttle is not None:
-            latency, bandwidth = self.throttle
-            time.sleep(latency + tensor.numel() * tensor.element_size() / bandwidth)
+        self.throttled(tensor.numel() * tensor.element_size())
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
         work = dist.isend(tensor, dst, tag=self._tag(key))
@@ -292,6 +291,12 @@ class P2PTransport:
             while self._sends and self._sends[0][0].is_completed():
                 self._sends.popleft()
         self.comm_s += time.perf_counter() - t0
+
+    def throttled(self, nbytes: int) -> None:
+        """Hold a send of ``nbytes`` as the injected throttle says (none: at once)."""
+        if self.throttle is not None:
+            latency, bandwidth = self.throttle
+            time.sleep(latency + nbytes / bandwidth)
 
     def sending(self) -> bool:
         """Whether an activation or gradient send of this stage is still in flight (what
@@ -328,6 +333,20 @@ class P2PTransport:
     def bandwidth_Bps(self, dst: int) -> float:
         """The smoothed bandwidth measured to ``dst`` (0 when not measured)."""
         return self._links.bandwidth_Bps(dst) if self._links is not None else 0.0
+
+    @property
+    def measures_links(self) -> bool:
+        """Whether every send is timed per link (``measure_links``)."""
+        return self._links is not None
+
+    def probe_bytes(self, dst: int) -> int:
+        """How large a probe of the link to ``dst`` to send now (0: none; always 0
+        without ``measure_links``; `adaptipe.runtime.link_probe`)."""
+        return self._links.probe_bytes(dst) if self._links is not None else 0
+
+    def probed(self, dst: int, nbytes: int, seconds: float) -> tuple[float | None, float | None]:
+        """A probe's result for the link to ``dst`` (`LinkTimer.probed`)."""
+        return self._links.probed(dst, nbytes, seconds) if self._links is not None else (None, None)
 
     def close(self) -> None:
         """Stop the link watchers (a watcher stuck in a dead peer's wait is a daemon)."""

@@ -6,8 +6,7 @@ schedule), joins the process group from the usual ``torch.distributed`` environm
 same entry point runs under ``adaptipe train`` on one machine and under ``torchrun``
 across hosts, and executes its instruction list window after window. At each window
 boundary every worker agrees on the plan version in force (`PlanFollower`); a version
-with another partition moves layers between the stages there, through a checkpoint
-written at that boundary.
+with another partition moves layers there (`adaptipe.runtime.migration`).
 
 On any error the worker writes ``errors/stage-N.txt`` (first line: the cause) before
 exiting non-zero, so the manager can name the stage and the cause.
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -61,6 +61,7 @@ from adaptipe.runtime.hooks import (
     worker_hooks,
 )
 from adaptipe.runtime.iteration_stats import IterationStats
+from adaptipe.runtime.link_probe import probe_hook
 from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.memory_guard import guard_hook
 from adaptipe.runtime.migration import layers_of, migrate
@@ -96,12 +97,10 @@ class RestartForPlan(Exception):
 
 
 def run_worker(run_dir: Path, *, resume: bool) -> None:
-    proc = Process.from_env()
-    run = RunDir(run_dir)
+    proc, run = Process.from_env(), RunDir(run_dir)
     config = run.read_config()
     managed = MANAGER_ENV in os.environ or read_manager(run) is not None
     if config.sweep is not None and config.sweep.halving_every and not managed:
-        # Each rung waits for the manager's decision, which only a manager makes.
         raise PlanError(
             f"{run.config_json}: [sweep].halving_every = {config.sweep.halving_every} needs "
             "a manager, which decides each halving; these workers were started without "
@@ -257,8 +256,9 @@ class _Worker:
         hooks = worker_hooks(run, config, stage, self.transport) if primary else []
         edges = set().union(*(h.edges() for h in hooks)) | self.follower.replay_edges(self.start)
         with self.replicas.metrics_path(run).open("a") as fh, contextlib.ExitStack() as cleanup:
-            limit = config.train.memory_limit_mb(rank)
-            hooks += guard_hook(run.root, limit, stage, lambda event: log(fh, event))
+            logged = functools.partial(log, fh)
+            hooks += guard_hook(run.root, config.train.memory_limit_mb(rank), stage, logged)
+            hooks += probe_hook(config.train, self.windows.schedule(), self.transport, logged)
             for hook in hooks:
                 cleanup.callback(hook.close)
             cleanup.callback(self.transport.close)  # first: a stuck link watcher must not hold us
