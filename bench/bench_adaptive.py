@@ -350,7 +350,8 @@ def _config(
         raw["data"] = {"batch_size": BATCH // s.jobs, "microbatches": 1}
         raw["sweep"] = {"window": s.sweep_window, "grid": {"lr": list(LRS[: s.jobs])}}
     if adapt is not None:
-        raw["adapt"] = dict(adapt)
+        raw["adapt"] = {k: v for k, v in adapt.items() if k != _TRAIN}
+        raw["train"].update(adapt.get(_TRAIN, {}))
     return RunConfig.from_dict(raw, source="bench_adaptive")
 
 
@@ -480,6 +481,8 @@ def _control_events(run_dir: Path) -> dict[str, Any]:
     }
 
 
+_TRAIN = "[train]"  # a variant's key for what it changes in [train], not [adapt]
+
 CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "ppo": ("live", "ppo"),
     "threshold": ("live", "threshold"),
@@ -490,6 +493,8 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "threshold_measured": ("live", "threshold"),
     "ppo_raw": ("live", "ppo"),
     "threshold_raw": ("live", "threshold"),
+    "ppo_noprobe": ("live", "ppo"),
+    "threshold_noprobe": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
 plan, which a controller that never moves trains: its runs are the initial plan's).
@@ -497,11 +502,15 @@ plan, which a controller that never moves trains: its runs are the initial plan'
 partitions held measured, `adaptipe.controllers.recall`); ``*_measured``: with
 ``[adapt].baseline = "measured"`` (slowdowns against the layers as the run measured
 them, not the profile); ``*_raw``: with ``[adapt].calibrate = false`` (each stage's
-readings as measured, its place's cost in them, `adaptipe.controllers.positions`)."""
+readings as measured, its place's cost in them, `adaptipe.controllers.positions`);
+``*_noprobe``: with ``[train].link_probe_every = 0`` (no live probe of a link a remembered
+throttle bounds, `adaptipe.runtime.link_probe`: the end of a throttle does not show on a
+cut that sends little)."""
 VARIANTS = {
     "_norecall": {"recall": False},
     "_measured": {"baseline": "measured"},
     "_raw": {"calibrate": False},
+    "_noprobe": {_TRAIN: {"link_probe_every": 0}},
 }
 
 
