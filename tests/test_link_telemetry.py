@@ -236,6 +236,32 @@ def test_link_timer_gives_one_sample_per_link_that_moved_bytes() -> None:
         assert timer.close()
 
 
+def test_a_link_bounded_by_its_remembered_rate_asks_for_a_probe_that_can_lift_it() -> None:
+    clock = _Clock()
+    timer = LinkTimer(0, clock=clock)
+    try:
+        for end in (2.0, 4.0):  # busy the whole iteration twice: the bottleneck, 500 B/s
+            work = _Work(clock, end)
+            timer.submit(1, work, end - 2.0, 1000)
+            work.released.set()
+            timer.drain()
+            timer.samples()
+        assert timer.probe_bytes(1) == 0  # saturated: what it carries shows its rate
+        light = _Work(clock, 4.01)
+        timer.submit(1, light, 4.0, 100)  # a light send that the token bucket passes
+        light.released.set()
+        timer.drain()
+        clock.now = 6.0
+        (sample,) = timer.samples()
+        assert sample.bandwidth_Bps == 500.0  # bounded by the remembered rate
+        assert timer.probe_bytes(1) == 32 << 10  # light, bounded: a probe is worth it
+        assert timer.probe_bytes(2) == 0  # a link never seen bounded needs none
+        assert timer.probed(1, 32 << 10, 0.5) == (500.0, None)  # 65 kB/s: the limit is gone
+        assert timer.probe_bytes(1) == 0
+    finally:
+        assert timer.close()
+
+
 def test_the_fast_end_ignores_a_delay_that_spares_some_sends_and_follows_a_slow_link() -> None:
     link = FastEnd(window=16, quantile=0.9)
     assert link.bandwidth_Bps == 0.0
