@@ -254,9 +254,9 @@ def test_a_link_bounded_by_its_remembered_rate_asks_for_a_probe_that_can_lift_it
         clock.now = 6.0
         (sample,) = timer.samples()
         assert sample.bandwidth_Bps == 500.0  # bounded by the remembered rate
-        assert timer.probe_bytes(1) == 32 << 10  # light, bounded: a probe is worth it
+        assert timer.probe_bytes(1) == 16 << 10  # light, bounded: a probe is worth it
         assert timer.probe_bytes(2) == 0  # a link never seen bounded needs none
-        assert timer.probed(1, 32 << 10, 0.5) == (500.0, None)  # 65 kB/s: the limit is gone
+        assert timer.probed(1, 16 << 10, 0.5) == (500.0, None)  # 33 kB/s: the limit is gone
         assert timer.probe_bytes(1) == 0
     finally:
         assert timer.close()

@@ -29,7 +29,7 @@ def test_a_remembered_rate_asks_for_a_probe_sized_to_it_and_a_probe_moves_it() -
     assert link.probe_bytes(saturated=False) == int(10e6 * PROBE_S)
     assert link.probe_bytes(saturated=True) == 0  # what it carries shows its rate
     link.rate_Bps = 1e3
-    assert link.probe_bytes(saturated=False) == 32 << 10  # never below a burst and RTTs
+    assert link.probe_bytes(saturated=False) == 16 << 10  # never below a burst and RTTs
     link.rate_Bps = 10e6
     link.probed(10e6 * RAISE * 0.99)
     link.probed(10e6 / RAISE * 1.01)

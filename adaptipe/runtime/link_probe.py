@@ -11,7 +11,7 @@ Every ``[train] link_probe_every`` iterations (with ``link_telemetry``), at the 
 boundary from then on, each link the schedule uses is asked, in a fixed order, in both
 directions: the sender says how large a probe it wants (0: none, the usual answer;
 `LinkCapacity.probe_bytes`: only where a remembered rate bounds the link and its traffic
-is light, about 20 ms of payload at that rate), then::
+is light, about 10 ms of payload at that rate), then::
 
     sender                                receiver
     send SIZE [n] ----------------------> recv SIZE
@@ -28,7 +28,7 @@ logged (``link_probe`` in the stage's log). Links go in the order of their lower
 higher worker, the lower end's direction first: every worker takes its own in that
 order, so the blocking exchanges form chains, never a cycle. What it costs: a 1-element
 exchange per link direction each ``link_probe_every`` iterations (the two ends meet),
-and while a throttle is remembered, about 20 ms of payload each way at its rate.
+and while a throttle is remembered, about 10 ms of payload each way at its rate.
 """
 
 from __future__ import annotations
