@@ -1,7 +1,7 @@
 """The live link probe (`adaptipe.runtime.link_probe`): a link whose remembered throttle
-bounds what it reports is probed until a probe shows the throttle gone, tightened or
-still there; the exchanges of three workers on two links never deadlock, and links
-without a remembered rate are left alone."""
+bounds what it reports is probed until a probe shows the throttle gone (a slower reading
+leaves the limit as it was); the exchanges of three workers on two links never
+deadlock, and links without a remembered rate are left alone."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import datetime
 import time
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -32,11 +31,9 @@ def test_a_remembered_rate_asks_for_a_probe_sized_to_it_and_a_probe_moves_it() -
     assert link.probe_bytes(saturated=False) == 16 << 10  # never below a burst and RTTs
     link.rate_Bps = 10e6
     link.probed(10e6 * RAISE * 0.99)
-    link.probed(10e6 / RAISE * 1.01)
-    assert link.rate_Bps == 10e6  # within the probe's own error: unchanged
-    link.probed(10e6 / RAISE / 2)
-    assert link.rate_Bps == pytest.approx(10e6 / RAISE / 2)  # tightened
-    link.probed(10e6)
+    link.probed(10e6 / 3)  # low: it may have waited behind queued sends
+    assert link.rate_Bps == 10e6  # unchanged
+    link.probed(10e6 * RAISE * 1.01)
     assert link.rate_Bps is None  # more than RAISE times it: the limit is gone
 
 
@@ -78,7 +75,7 @@ class _Transport:
 SETUP: dict[int, tuple[dict[int, float], float | None]] = {
     0: ({1: LIMIT}, None),  # throttle over: the first probe forgets the limit
     1: ({}, None),  # nothing remembered: answers, never asks
-    2: ({1: LIMIT}, LIMIT / 3),  # tighter now: lowered, then kept
+    2: ({1: LIMIT}, LIMIT / 3),  # tighter now: kept, and probed again
 }
 
 
@@ -118,14 +115,12 @@ def test_three_workers_probe_their_remembered_links_until_the_probe_settles_them
     assert over[0]["rate_Bps"] > RAISE * LIMIT and over[0]["limit_after_Bps"] is None
     assert got[0]["left"] == {1: None}
     assert quiet == []  # it only answered
-    # tighter: the first probe lowers the limit to what it read, the later ones keep it
+    # tighter: each probe reads it (below the limit, which stays) and the next one comes
     assert [(e["iteration"], e["dst"]) for e in tight] == [(2, 1), (4, 1), (6, 1)]
     for e in tight:  # timed from the receiver's word: the throttle's hold is all in it
-        assert e["seconds"] >= e["bytes"] / (LIMIT / 3)
-    assert tight[0]["limit_before_Bps"] == LIMIT
-    assert tight[0]["limit_after_Bps"] == pytest.approx(tight[0]["rate_Bps"])
-    assert tight[0]["rate_Bps"] <= LIMIT / 3
-    assert got[2]["left"][1] == tight[-1]["limit_after_Bps"] <= LIMIT / 3
+        assert e["seconds"] >= e["bytes"] / (LIMIT / 3) and e["rate_Bps"] <= LIMIT / 3
+        assert e["limit_before_Bps"] == e["limit_after_Bps"] == LIMIT
+    assert got[2]["left"] == {1: LIMIT}
 
 
 def test_no_probe_without_link_telemetry_or_with_it_switched_off() -> None:

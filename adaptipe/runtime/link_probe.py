@@ -23,7 +23,7 @@ is light, about 10 ms of payload at that rate), then::
       rate = n / (now - t0) -> LinkCapacity.probed
 
 A rate above 1.2x the remembered one forgets it (the link reports what it carries
-again, and a controller may move back); one below it over 1.2 lowers it. Each probe is
+again, and a controller may move back); a lower one changes nothing. Each probe is
 logged (``link_probe`` in the stage's log). Links go in the order of their lower, then
 higher worker, the lower end's direction first: every worker takes its own in that
 order, so the blocking exchanges form chains, never a cycle. What it costs: a 1-element
