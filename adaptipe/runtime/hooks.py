@@ -28,6 +28,7 @@ __all__ = [
     "FAULT_ENV",
     "TELEMETRY_ENV",
     "TELEMETRY_INTERVAL_ENV",
+    "BaseHook",
     "InjectedFault",
     "Window",
     "WorkerHook",
@@ -87,7 +88,7 @@ class Link(Protocol):
     def link_samples(self) -> list[LinkSample]: ...
 
 
-class _Hook:
+class BaseHook:
     """A hook that does nothing; the hooks below override what they need."""
 
     def edges(self) -> set[int]:
@@ -109,7 +110,7 @@ class _Hook:
         return None
 
 
-class _FaultDrill(_Hook):
+class _FaultDrill(BaseHook):
     def __init__(self, stage: int, iteration: int, rank: int) -> None:
         self.stage, self.iteration, self.rank = stage, iteration, rank
 
@@ -132,7 +133,7 @@ def _fault_drill(rank: int) -> _FaultDrill | None:
     return _FaultDrill(int(stage), int(iteration), rank)
 
 
-class _Interference(_Hook):
+class _Interference(BaseHook):
     """Applies the slowdown and link throttle a scenario's control files say now."""
 
     def __init__(self, control_dir: str, rank: int, transport: Link) -> None:
@@ -149,7 +150,7 @@ class _Interference(_Hook):
         )
 
 
-class _Tracing(_Hook):
+class _Tracing(BaseHook):
     """Records the traced iterations' instructions and writes them when they are done."""
 
     def __init__(self, run: RunDir, config: RunConfig, rank: int) -> None:
@@ -175,7 +176,7 @@ class _Tracing(_Hook):
         self.recorder = None
 
 
-class _Telemetry(_Hook):
+class _Telemetry(BaseHook):
     """Publishes each iteration's stage statistics and the links' samples (ZeroMQ).
 
     A stage on a GPU samples that GPU through NVML; a CPU stage samples its process,

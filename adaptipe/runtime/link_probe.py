@@ -42,11 +42,12 @@ import torch
 import torch.distributed as dist
 
 from adaptipe.runtime.config_sections import TrainSection
+from adaptipe.runtime.hooks import BaseHook
+from adaptipe.runtime.transport import PROBE_TAGS
 from adaptipe.schedule.types import Schedule
 
-__all__ = ["PROBE_TAGS", "LinkProbe", "probe_hook", "probe_links"]
+__all__ = ["LinkProbe", "probe_hook", "probe_links"]
 
-PROBE_TAGS = (2**31 - 4, 2**31 - 3, 2**31 - 2, 2**31 - 1)  # size, ready, data, ack
 _SIZE, _READY, _DATA, _ACK = PROBE_TAGS
 
 
@@ -91,7 +92,7 @@ def probe_links(schedule: Schedule) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
-class LinkProbe:
+class LinkProbe(BaseHook):
     """A worker hook (`adaptipe.runtime.hooks.WorkerHook`) that probes its links."""
 
     def __init__(
@@ -107,9 +108,6 @@ class LinkProbe:
         self.links = [pair for pair in links if rank in pair]
         self._next: int | None = None  # every worker starts at the same boundary
 
-    def edges(self) -> set[int]:
-        return set()
-
     def before_boundary(self, iteration: int) -> None:
         if self._next is None:
             self._next = iteration + self.every
@@ -122,18 +120,6 @@ class LinkProbe:
                     self._send(dst, iteration)
                 else:
                     self._answer(src)
-
-    def before_window(self, window: object) -> None:
-        return None
-
-    def after_window(self, window: object) -> None:
-        return None
-
-    def finish(self, total: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
     def _tensor(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.uint8, device=self.transport.wire)

@@ -39,11 +39,11 @@ import torch.distributed as dist
 
 from adaptipe.monitor.linktimer import LinkTimer
 from adaptipe.monitor.schema import LinkSample
-from adaptipe.runtime.link_probe import PROBE_TAGS
 
 __all__ = [
     "ACTIVATION",
     "GRADIENT",
+    "PROBE_TAGS",
     "P2PTransport",
     "TensorSpec",
     "TransferKey",
@@ -55,6 +55,8 @@ __all__ = [
 
 ACTIVATION = 0
 GRADIENT = 1
+# Kept out of the transfers' tags: the live link probe's (`adaptipe.runtime.link_probe`)
+PROBE_TAGS = (2**31 - 4, 2**31 - 3, 2**31 - 2, 2**31 - 1)  # size, ready, data, ack
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 _HEADER = 10  # ndim, dtype code, up to 8 dimensions
