@@ -379,7 +379,8 @@ def _complete(records: Sequence[Record], partition: Partition, workers: int) -> 
 def inputs(obs: Observation) -> dict[str, Any]:
     """What a decision is logged with: the measured iteration, the partition in force
     and the best one as the planner predicts them on the measured slowdowns (milliseconds
-    per iteration), the best partition and the per-stage slowdowns."""
+    per iteration), the best partition, the per-stage slowdowns and each stage boundary's
+    bandwidth as priced (MB/s, the slower direction; null where neither is measured)."""
     slow = stage_slowdowns(obs)
     bounds, best = best_partition(obs, slow)
     best *= obs.microbatches  # cycles per micro-batch: per iteration
@@ -391,6 +392,9 @@ def inputs(obs: Observation) -> dict[str, Any]:
         "predicted_best_ms": round(best * 1e3, 3) if math.isfinite(best) else None,
         "best_bounds": list(bounds),
         "slowdowns": [round(s, 3) for s in slow],
+        "links_MBps": [
+            round(b / 1e6, 3) if math.isfinite(b) else None for b in obs.boundary_bandwidths()
+        ],
         "window": list(obs.iterations[:1] + obs.iterations[-1:]),
     }
 

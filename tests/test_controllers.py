@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from adaptipe.controllers import Decision, Keep, Observation, observe
+from adaptipe.controllers.live import inputs
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
 from adaptipe.errors import PlanError
@@ -130,8 +131,11 @@ def test_a_boundary_reads_at_its_slower_direction() -> None:
     assert slow_back.boundary_bandwidth_Bps(0) == 100.0
     assert replace(obs, link_bandwidth_Bps={"1-0": 1e5}).boundary_bandwidth_Bps(0) == 1e5
     assert replace(obs, link_bandwidth_Bps={}).boundary_bandwidth_Bps(0) == math.inf
-    # the planner prices the boundary at the slow direction
+    # the planner prices the boundary at the slow direction, and a decision logs it
     assert predicted_time(slow_back, (0, 2, 6)) > predicted_time(obs, (0, 2, 6))
+    throttled = replace(obs, link_bandwidth_Bps={"0-1": 4e6, "1-0": 2.5e6})
+    assert inputs(throttled)["links_MBps"] == [2.5]
+    assert inputs(replace(obs, link_bandwidth_Bps={}))["links_MBps"] == [None]
 
 
 def test_observe_refuses_what_it_cannot_build() -> None:
