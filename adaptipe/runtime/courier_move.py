@@ -283,14 +283,10 @@ class CourierMove:
     def _adopt(self, done: int) -> None:
         """Wait for the copies to replay ``done`` steps, then load their state into the
         layers built from the base (one copy; on a GPU stage one host-to-device copy)."""
-        deadline = self.started + self.settings.timeout_s
-        with self._progress:
-            while not self._error and any(n < done for n in self._applied.values()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._error = f"not moved within {self.settings.timeout_s:g} s"
-                    return
-                self._progress.wait(min(left, 0.5))
+        deadline = self._deadline
+        replayed = lambda: bool(self._error) or all(n >= done for n in self._applied.values())  # noqa: E731
+        if not wait_until(self._progress, replayed, deadline):
+            self._error = f"not moved within {self.settings.timeout_s:g} s"
         if self._error:
             return
         paths = {k: str(p) for k, p in self._finals.items()}

@@ -219,14 +219,9 @@ class StreamedMove:
         mine = READY if self._status == READY else FAILED
         if mine == READY:
             done = self.stage.steps_done - self.base_step
-            deadline = self.started + self.settings.timeout_s
-            with self._progress:
-                while not self._error and any(n < done for n in self._applied.values()):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._error = f"not moved within {self.settings.timeout_s:g} s"
-                        break
-                    self._progress.wait(min(left, 0.5))
+            replayed = lambda: bool(self._error) or all(n >= done for n in self._applied.values())  # noqa: E731
+            if not wait_until(self._progress, replayed, self.started + self.settings.timeout_s):
+                self._error = f"not moved within {self.settings.timeout_s:g} s"
             mine = FAILED if self._error else READY
         agreed = self._agree(mine)
         if agreed == READY and self.outgoing:  # the receivers have it all; the sending
