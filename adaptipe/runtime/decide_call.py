@@ -51,7 +51,7 @@ class DecideThread:
 
 
 class DeciderCall:
-    """One decider call on ``thread`` (a `DecideThread`; None: a thread of its own).
+    """One decider call, run on ``thread`` (the loop's `DecideThread`).
 
     ``act`` runs on the same thread with the verdict, unless the call has been logged
     as timed out by then (``lock`` orders the two): a late answer is dropped."""
@@ -61,7 +61,7 @@ class DeciderCall:
         fn: Callable[[], Verdict],
         act: Callable[[Verdict], dict[str, Any]],
         clock: Callable[[], float],
-        thread: DecideThread | None = None,
+        thread: DecideThread,
     ) -> None:
         self.clock, self.started = clock, clock()
         self.ended: float | None = None
@@ -71,7 +71,7 @@ class DeciderCall:
         self.error: BaseException | None = None
         self.timed_out = False  # logged as timed out: its answer is dropped
         self.lock = threading.Lock()
-        (thread or DecideThread()).submit(lambda: self._run(fn, act))
+        thread.submit(lambda: self._run(fn, act))
 
     def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
         verdict: Verdict | None = None
