@@ -495,6 +495,8 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "threshold_raw": ("live", "threshold"),
     "ppo_noprobe": ("live", "ppo"),
     "threshold_noprobe": ("live", "threshold"),
+    "ppo_norevisit": ("live", "ppo"),
+    "threshold_norevisit": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
 plan, which a controller that never moves trains: its runs are the initial plan's).
@@ -505,12 +507,15 @@ them, not the profile); ``*_raw``: with ``[adapt].calibrate = false`` (each stag
 readings as measured, its place's cost in them, `adaptipe.controllers.positions`);
 ``*_noprobe``: with ``[train].link_probe_every = 0`` (no live probe of a link a remembered
 throttle bounds, `adaptipe.runtime.link_probe`: the end of a throttle does not show on a
-cut that sends little)."""
+cut that sends little); ``*_norevisit``: with ``[adapt].revisit_checks = 0`` (a partition
+just left ranks at the model's figure where its remembered conditions no longer match).
+"""
 VARIANTS = {
     "_norecall": {"recall": False},
     "_measured": {"baseline": "measured"},
     "_raw": {"calibrate": False},
     "_noprobe": {_TRAIN: {"link_probe_every": 0}},
+    "_norevisit": {"revisit_checks": 0},
 }
 
 

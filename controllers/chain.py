@@ -212,6 +212,7 @@ class Chain:
             ]
             # what the partitions held under these conditions measured (ms)
             info["recalled_ms"] = self.recall.measured(obs, slow)
+            info["left_ms"] = self.recall.left_ms(obs, slow)  # the revisit guard's
         best = min(range(len(cands)), key=lambda i: (cand_s[i], cands[i]))
         gain = now_s - cand_s[best]
         info |= {

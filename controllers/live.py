@@ -75,7 +75,7 @@ def from_settings(
             max_per_hour=adapt.max_per_hour,
             horizon=adapt.horizon,
         )
-        return Threshold(settings, recall=Recall() if adapt.recall else None)
+        return Threshold(settings, recall=_recall(adapt))
     if adapt.controller == "ppo":
         return _chain(adapt, stages=stages, run_root=run_root)
     if adapt.controller in ("always_best", "straggler", "stale"):
@@ -138,8 +138,12 @@ def _chain(adapt: AdaptSection, *, stages: int | None, run_root: Path | None) ->
         why=why,
         switch_folder=folder,
         min_gain=max(MIN_GAIN, adapt.margin / (1.0 + adapt.margin)),
-        recall=Recall() if adapt.recall else None,
+        recall=_recall(adapt),
     )
+
+
+def _recall(adapt: AdaptSection) -> Recall | None:
+    return Recall(revisit_checks=adapt.revisit_checks) if adapt.recall else None
 
 
 class LiveDecider:
@@ -239,7 +243,9 @@ class LiveDecider:
             decision, logged = self.controller.decide(obs), inputs(obs)
             recall = getattr(self.controller, "recall", None)
             if isinstance(recall, Recall):  # what the partitions held here measured (ms)
-                logged["recalled_ms"] = recall.measured(obs, stage_slowdowns(obs))
+                slow = stage_slowdowns(obs)
+                logged["recalled_ms"] = recall.measured(obs, slow)
+                logged["left_ms"] = recall.left_ms(obs, slow)  # the revisit guard's
         if self.positions is not None and any(f != 1.0 for f in self.positions.factors):
             logged["position_factors"] = [round(f, 3) for f in self.positions.factors]
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)

@@ -25,6 +25,18 @@ measured there against what the partition in force measures now; a partition nev
 held under them keeps the model's figure, as before. The comparison is made in the
 model's frame (the candidate at the in-force prediction times the two measurements'
 ratio), so with nothing remembered every decision is what it was without `Recall`.
+
+A partition left within the last ``revisit_checks`` checks is ranked no better than it
+measured when it was left, against what the partition in force measures now, even where
+the links no longer read as they did (its own guard, `corrected`). A link's reading
+depends on the cut it carries (the bed's unshaped link: 95-150 MB/s carrying 64 KB
+messages, 300-690 MB/s carrying 512 KB, 68-86 once busy enough to be held at its
+saturated rate), so after a move the entry of the partition just left often stops
+matching; the model's figure then sent a controller back, and after a throttle ended
+two runs flipped between cuts 2 and 3 every cooldown, each move measured slower than
+the one it undid (session 23). The guard stands down once the stage slowdowns changed
+beyond ``tolerance`` or a link reads more than ``link_tolerance`` times faster than it
+did there (a throttle ended: a return may now pay), and it only ever raises a figure.
 """
 
 from __future__ import annotations
@@ -81,6 +93,23 @@ class _Entry:
 
 
 @dataclass(slots=True)
+class _Left:
+    """A partition's conditions and measured seconds at the check it was last in force."""
+
+    check: int
+    slowdowns: tuple[float, ...]
+    links: tuple[float, ...]
+    seconds: float
+
+
+def _network_improved(now: Sequence[float], then: Sequence[float], factor: float) -> bool:
+    """Whether a boundary measured in both reads more than ``factor`` times faster now."""
+    return len(now) != len(then) or any(
+        a > factor * b for a, b in zip(now, then, strict=True) if a > 0 and b > 0
+    )
+
+
+@dataclass(slots=True)
 class Recall:
     """Per (partition, blocks an iteration) and conditions (`_Entry`): the exponential
     moving mean of the measured iteration seconds over the checks it was in force.
@@ -90,20 +119,31 @@ class Recall:
     (a lightly used link reads at its fast end, which depends on the sizes sent: the same
     loopback link read 137-190 MB/s at cut 3 and 57-60 at cut 4 of bench_adaptive's CNN;
     a throttle moves it tenfold or more); at most ``entries`` conditions a partition
-    (the oldest go)."""
+    (the oldest go); ``revisit_checks``: how many checks after it was left a partition
+    ranks no better than it measured then (the module doc; 0: never)."""
 
     weight: float = 0.5
     min_checks: int = 2
     tolerance: float = 1.25
     link_tolerance: float = 4.0
     entries: int = 8
+    revisit_checks: int = 50
     _seen: dict[str, list[_Entry]] = field(default_factory=dict)
+    _checks: int = 0  # checks observed
+    _held: tuple[str, _Left] | None = None  # the partition in force, at its last check
+    _left: dict[str, _Left] = field(default_factory=dict)  # partitions left, newest check
 
     def __post_init__(self) -> None:
-        if not 0 < self.weight <= 1 or self.min_checks < 1 or self.entries < 1:
+        if (
+            not 0 < self.weight <= 1
+            or self.min_checks < 1
+            or self.entries < 1
+            or self.revisit_checks < 0
+        ):
             raise PlanError(
-                f"recall: weight in (0, 1], min_checks >= 1 and entries >= 1 (got "
-                f"{self.weight}, {self.min_checks}, {self.entries})"
+                f"recall: weight in (0, 1], min_checks >= 1, entries >= 1 and "
+                f"revisit_checks >= 0 (got {self.weight}, {self.min_checks}, {self.entries}, "
+                f"{self.revisit_checks})"
             )
         if not (self.tolerance >= 1 and self.link_tolerance >= 1):
             raise PlanError(
@@ -128,6 +168,22 @@ class Recall:
             return None
         key = _key(obs.bounds, obs.microbatches)
         links = _links(obs)
+        self._checks += 1
+        if self._held is not None and self._held[0] != key:
+            self._left[self._held[0]] = self._held[1]
+        self._left.pop(key, None)
+        for gone in [k for k, v in self._left.items() if not self._recent(v)]:
+            del self._left[gone]
+        seconds = self._update(key, slowdowns, links, measured)
+        self._held = key, _Left(self._checks, tuple(map(float, slowdowns)), links, seconds)
+        return seconds
+
+    def _recent(self, left: _Left) -> bool:
+        return self._checks - left.check <= self.revisit_checks
+
+    def _update(
+        self, key: str, slowdowns: Sequence[float], links: tuple[float, ...], measured: float
+    ) -> float:
         entry = self._entry(key, slowdowns, links)
         if entry is None:
             listed = self._seen.setdefault(key, [])
@@ -166,14 +222,37 @@ class Recall:
         """The model's ``predicted_s`` for ``bounds``, or, where ``bounds`` was held under
         conditions near ``slowdowns``, the in-force partition's model figure
         ``in_force_s`` times what ``bounds`` measured over what the partition in force
-        measures now (the model's frame)."""
-        if tuple(bounds) == tuple(obs.bounds):
+        measures now (the model's frame). A partition left within ``revisit_checks``
+        checks and not matched so ranks no better than that figure from what it measured
+        when it was left (the module doc)."""
+        now = measured_iteration_s(obs)
+        if (
+            tuple(bounds) == tuple(obs.bounds)
+            or now is None
+            or not now > 0
+            or not math.isfinite(in_force_s)
+        ):
             return predicted_s
         then = self.seconds(obs, bounds, slowdowns)
-        now = measured_iteration_s(obs)
-        if then is None or now is None or not now > 0 or not math.isfinite(in_force_s):
-            return predicted_s
-        return in_force_s * then / now
+        if then is not None:
+            return in_force_s * then / now
+        left = self.left_seconds(obs, bounds, slowdowns)
+        return predicted_s if left is None else max(predicted_s, in_force_s * left / now)
+
+    def left_seconds(
+        self, obs: Observation, bounds: Sequence[int], slowdowns: Sequence[float]
+    ) -> float | None:
+        """What ``bounds`` measured when it was left, where that was within
+        ``revisit_checks`` checks, the stage slowdowns are still near and no link reads
+        more than ``link_tolerance`` times faster now; else None."""
+        left = self._left.get(_key(bounds, obs.microbatches))
+        if left is None or not self._recent(left) or len(slowdowns) != len(left.slowdowns):
+            return None
+        if max(map(_factor, slowdowns, left.slowdowns), default=1.0) > self.tolerance:
+            return None
+        if _network_improved(_links(obs), left.links, self.link_tolerance):
+            return None
+        return left.seconds
 
     def known(self, obs: Observation, slowdowns: Sequence[float]) -> list[tuple[int, ...]]:
         """The partitions of ``obs``'s stage count and blocks, other than the one in
@@ -201,21 +280,50 @@ class Recall:
                 out[",".join(map(str, b))] = round(got * 1e3, 3)
         return out
 
+    def left_ms(self, obs: Observation, slowdowns: Sequence[float]) -> dict[str, float]:
+        """For the logs: the partitions the revisit guard holds now (`left_seconds`), at
+        the milliseconds an iteration they measured when they were left."""
+        out = {}
+        for key in sorted(self._left):
+            bounds, _, blocks = key.partition("/")
+            cut = tuple(int(b) for b in bounds.split(","))
+            got = (
+                self.left_seconds(obs, cut, slowdowns) if blocks == str(obs.microbatches) else None
+            )
+            if got is not None:
+                out[bounds] = round(got * 1e3, 3)
+        return out
+
     def state_dict(self) -> dict[str, Any]:
+        """``seen``: per partition key its entries; ``checks``, ``held`` and ``left``: the
+        revisit guard's memory (a resume keeps it)."""
         return {
-            key: [
-                {
-                    "slowdowns": list(e.slowdowns),
-                    "links_Bps": list(e.links),
-                    "seconds": e.seconds,
-                    "checks": e.checks,
-                }
-                for e in listed
-            ]
-            for key, listed in self._seen.items()
+            "seen": {
+                key: [
+                    {
+                        "slowdowns": list(e.slowdowns),
+                        "links_Bps": list(e.links),
+                        "seconds": e.seconds,
+                        "checks": e.checks,
+                    }
+                    for e in listed
+                ]
+                for key, listed in self._seen.items()
+            },
+            "checks": self._checks,
+            "held": None if self._held is None else [self._held[0], _left_json(self._held[1])],
+            "left": {key: _left_json(v) for key, v in self._left.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes `state_dict`'s form, and the bare ``seen`` mapping of checkpoints written
+        before the revisit guard."""
+        if isinstance(state.get("seen"), dict):
+            held = state.get("held")
+            self._checks = int(state.get("checks", 0))
+            self._held = (str(held[0]), _left_from(held[1])) if isinstance(held, list) else None
+            self._left = {str(k): _left_from(v) for k, v in dict(state.get("left", {})).items()}
+            state = state["seen"]
         self._seen = {
             str(key): [
                 _Entry(
@@ -230,3 +338,21 @@ class Recall:
             for key, listed in state.items()
             if isinstance(listed, list)
         }
+
+
+def _left_json(left: _Left) -> dict[str, Any]:
+    return {
+        "check": left.check,
+        "slowdowns": list(left.slowdowns),
+        "links_Bps": list(left.links),
+        "seconds": left.seconds,
+    }
+
+
+def _left_from(data: dict[str, Any]) -> _Left:
+    return _Left(
+        int(data["check"]),
+        tuple(float(v) for v in data["slowdowns"]),
+        tuple(float(v) for v in data["links_Bps"]),
+        float(data["seconds"]),
+    )

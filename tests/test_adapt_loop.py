@@ -117,6 +117,10 @@ def test_controller_fields_are_read_checked_and_round_trip(
     assert cfg.adapt.decide_timeout_s == 5.0 and AdaptSection().controller == "none"
     again = RunConfig.from_dict(cfg.to_dict(), source="again.toml")
     assert again.adapt == cfg.adapt
+    assert cfg.adapt.revisit_checks == 50
+    guard = from_settings(replace(cfg.adapt, revisit_checks=7))
+    assert isinstance(guard, Threshold) and guard.recall is not None
+    assert guard.recall.revisit_checks == 7
 
 
 @pytest.mark.parametrize(
@@ -133,6 +137,7 @@ def test_controller_fields_are_read_checked_and_round_trip(
         ({"patience": 0}, r"test.toml: \[adapt\].patience must be >= 1"),
         ({"cooldown": -1}, r"test.toml: \[adapt\].cooldown must be >= 0"),
         ({"max_per_hour": 0}, r"test.toml: \[adapt\].max_per_hour must be >= 1"),
+        ({"revisit_checks": -1}, r"test.toml: \[adapt\].revisit_checks must be >= 0"),
         ({"dry_run": "yes"}, r"test.toml: \[adapt\].dry_run must be true or false"),
         ({"decide_timeout_s": 0}, r"test.toml: \[adapt\].decide_timeout_s must be > 0"),
         ({"every": 3}, r"test.toml: unknown field \[adapt\].every \(allowed: method, .*horizon"),

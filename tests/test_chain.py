@@ -115,7 +115,7 @@ def test_a_partition_held_before_is_ranked_at_what_it_measured(chain: Chain) -> 
     assert decision.bounds == QUIET
     held = said["recalled_ms"]
     assert held["0,5,8,12,16"] / held["0,4,8,12,16"] == pytest.approx(1.5, rel=0.1)
-    assert set(seen.state_dict()["recall"]) == {"0,4,8,12,16/8", "0,5,8,12,16/8"}
+    assert set(seen.state_dict()["recall"]["seen"]) == {"0,4,8,12,16/8", "0,5,8,12,16/8"}
 
 
 def test_the_slowdowns_rule_measured_stale_and_anticipated() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
@@ -58,9 +58,16 @@ def observe(
     )
 
 
-def drive(threshold: Threshold, iterations: int, slow_from: int = 10**9, slow_to: int = 0) -> list:
+def drive(
+    threshold: Threshold,
+    iterations: int,
+    slow_from: int = 10**9,
+    slow_to: int = 0,
+    link: Callable[[tuple[int, ...], int], float] | None = None,
+) -> list:
     """Run ``threshold`` on the pipeline of `observe`, starting at cut 3, one check an
-    iteration, taking each move at once; stage 0 is 3x slower in [slow_from, slow_to).
+    iteration, taking each move at once; stage 0 is 3x slower in [slow_from, slow_to);
+    ``link(bounds, moves so far)``: what the link reads (B/s; unmeasured without).
     The partitions it moved to, with the iteration."""
     bounds: tuple[int, ...] = (0, 3, 4)
     since, moves = 0, []
@@ -68,7 +75,10 @@ def drive(threshold: Threshold, iterations: int, slow_from: int = 10**9, slow_to
         if it - since < WINDOW:
             continue
         slow = (3.0, 1.0) if slow_from <= it < slow_to else (1.0, 1.0)
-        decision = threshold.decide(observe(bounds, first=it - WINDOW + 1, slow=slow))
+        obs = observe(bounds, first=it - WINDOW + 1, slow=slow)
+        if link is not None:
+            obs = replace(obs, link_bandwidth_Bps={"0-1": link(bounds, len(moves))})
+        decision = threshold.decide(obs)
         if decision.bounds is not None:
             bounds, since = decision.bounds, it
             moves.append((it, bounds))
@@ -190,6 +200,59 @@ def test_after_a_slowdown_ends_recall_goes_back_to_the_best_partition_before_it(
     assert [b for it, b in without if 40 <= it < 80] == [(0, 1, 4)]
     assert with_recall[-1][1] == (0, 3, 4) and with_recall[-1][0] >= 80
     assert without[-1][1] == (0, 2, 4) and without[-1][0] >= 80
+
+
+def test_a_partition_just_left_ranks_no_better_than_it_measured_when_left() -> None:
+    recall = Recall(min_checks=1)
+
+    def at(bounds: tuple[int, ...], bps: float, slow: Sequence[float] = QUIET) -> Observation:
+        obs = observe(bounds, first=0, slow=slow)  # cut 2: 4 ms, cut 3: 3 ms measured
+        return replace(obs, link_bandwidth_Bps={"0-1": bps})
+
+    recall.observe(at((0, 2, 4), 3.4e8), QUIET)
+    now = at((0, 3, 4), 0.8e8)  # the same link read 4.25x slower carrying cut 3's traffic
+    recall.observe(now, QUIET)
+    assert recall.seconds(now, (0, 2, 4), QUIET) is None  # not the same conditions ...
+    assert recall.left_seconds(now, (0, 2, 4), QUIET) == pytest.approx(4e-3)  # ... just left
+    # the model's 2 ms for cut 2 against cut 3's 3 in force: at least 3 ms x 4 / 3 measured
+    assert recall.corrected(now, (0, 2, 4), 2e-3, in_force_s=3e-3, slowdowns=QUIET) == (
+        pytest.approx(4e-3)
+    )
+    assert recall.corrected(now, (0, 2, 4), 5e-3, in_force_s=3e-3, slowdowns=QUIET) == 5e-3
+    assert recall.left_ms(now, QUIET) == {"0,2,4": 4.0}
+    # it stands down: other stage slowdowns, a link that reads far faster (a throttle
+    # ended), another block count, a partition it never held
+    assert recall.left_seconds(now, (0, 2, 4), (1.0, 2.0)) is None
+    assert recall.left_seconds(at((0, 3, 4), 1.5e9), (0, 2, 4), QUIET) is None  # > 4 x 3.4e8
+    two = replace(now, microbatches=2)
+    assert recall.corrected(two, (0, 2, 4), 2e-3, in_force_s=3e-3, slowdowns=QUIET) == 2e-3
+    assert recall.left_seconds(now, (0, 1, 4), QUIET) is None
+    # ... and after revisit_checks checks
+    again = Recall(min_checks=1)
+    again.load_state_dict(json.loads(json.dumps(recall.state_dict())))
+    assert again.left_seconds(now, (0, 2, 4), QUIET) == pytest.approx(4e-3)
+    for _ in range(again.revisit_checks):
+        again.observe(now, QUIET)
+    assert again.left_seconds(now, (0, 2, 4), QUIET) is None
+    never = Recall(min_checks=1, revisit_checks=0)
+    never.observe(at((0, 2, 4), 3.4e8), QUIET)
+    never.observe(now, QUIET)
+    assert never.corrected(now, (0, 2, 4), 2e-3, in_force_s=3e-3, slowdowns=QUIET) == 2e-3
+    with pytest.raises(PlanError, match="revisit_checks"):
+        Recall(revisit_checks=-1)
+
+
+def test_the_rule_does_not_flip_back_to_a_partition_it_just_measured_slower() -> None:
+    # session 23's flip-flop: cut 3's first entry matches at cut 2 (3e8 against 3.4e8),
+    # and the rule goes back to it; held at cut 3 the busy link then reads 0.8e8 (its
+    # saturated rate), cut 2's entry no longer matches and the planner favours cut 2
+    def link(bounds: tuple[int, ...], moves: int) -> float:
+        return 3.4e8 if bounds == (0, 2, 4) else 3e8 if moves == 0 else 0.8e8
+
+    guarded = drive(Threshold(SETTINGS, recall=Recall()), 60, link=link)
+    assert guarded == [(5, (0, 2, 4)), (11, (0, 3, 4))]
+    unguarded = drive(Threshold(SETTINGS, recall=Recall(revisit_checks=0)), 60, link=link)
+    assert unguarded[:3] == [(5, (0, 2, 4)), (11, (0, 3, 4)), (17, (0, 2, 4))]
 
 
 def test_the_threshold_rules_checkpointed_state_carries_what_it_measured() -> None:

@@ -40,6 +40,8 @@
     recall = true            # threshold, ppo: rank a partition the run has held at what
                              # it measured there (its model's error remembered,
                              # `adaptipe.controllers.recall`)
+    revisit_checks = 50      # with recall: for this many checks after it was left, a
+                             # partition ranks no better than it measured then (0: off)
     calibrate = true         # divide a stage's readings by what its place costs, measured
                              # across the move that put its layers there
                              # (`adaptipe.controllers.positions`)
@@ -94,6 +96,7 @@ _INTS = {
     "cooldown": (20, 0),
     "max_per_hour": (6, 1),
     "horizon": (100, 1),
+    "revisit_checks": (50, 0),
 }
 
 
@@ -123,6 +126,7 @@ class AdaptSection:
     cooldown: int = 20
     max_per_hour: int = 6
     horizon: int = 100
+    revisit_checks: int = 50
     baseline: str = "profile"
     recall: bool = True
     calibrate: bool = True
