@@ -497,6 +497,8 @@ CONTROLLERS = {  # bench name: ([adapt].method, [adapt].controller)
     "threshold_noprobe": ("live", "threshold"),
     "ppo_norevisit": ("live", "ppo"),
     "threshold_norevisit": ("live", "threshold"),
+    "ppo_everycheck": ("live", "ppo"),
+    "threshold_everycheck": ("live", "threshold"),
 }
 """The controllers run in part 2, beside the oracle and ``never`` (the static initial
 plan, which a controller that never moves trains: its runs are the initial plan's).
@@ -508,7 +510,9 @@ readings as measured, its place's cost in them, `adaptipe.controllers.positions`
 ``*_noprobe``: with ``[train].link_probe_every = 0`` (no live probe of a link a remembered
 throttle bounds, `adaptipe.runtime.link_probe`: the end of a throttle does not show on a
 cut that sends little); ``*_norevisit``: with ``[adapt].revisit_checks = 0`` (a partition
-just left ranks at the model's figure where its remembered conditions no longer match).
+just left ranks at the model's figure where its remembered conditions no longer match);
+``*_everycheck``: with ``[adapt].unchanged = 0`` (the controller asked at every check, not
+only where the readings moved, `adaptipe.controllers.unchanged`).
 """
 VARIANTS = {
     "_norecall": {"recall": False},
@@ -516,6 +520,7 @@ VARIANTS = {
     "_raw": {"calibrate": False},
     "_noprobe": {_TRAIN: {"link_probe_every": 0}},
     "_norevisit": {"revisit_checks": 0},
+    "_everycheck": {"unchanged": 0},
 }
 
 

@@ -31,11 +31,13 @@ training thread (tid = pid), ``adaptipe-sample``r, ``ZMQbg/*``, link watchers
 ``--model gpt-array`` trains ``adaptipe demo``'s 4 GPT jobs as one job-array instead;
 ``--act`` adds one mlp run that moves (``always_best`` from lopsided bounds);
 ``--adapt-poll-s`` tries another manager poll period while a controller call runs;
-``--telemetry-interval-s`` another device-sampling period for B.
+``--telemetry-interval-s`` another device-sampling period for B; ``--adapt FIELD=VALUE``
+sets B's other ``[adapt]`` fields (``check_every=1 --adapt unchanged=0``: a check every
+iteration, the controller asked at each).
 
     python bench/bench_overhead.py [--pairs 4] [--iterations 80] [--warmup 10]
         [--model mlp|gpt-array] [--controller threshold] [--act] [--adapt-poll-s S]
-        [--telemetry-interval-s S]
+        [--telemetry-interval-s S] [--adapt FIELD=VALUE ...]
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
         if args.telemetry_interval_s is not None:
             demo["train"]["telemetry_interval_s"] = args.telemetry_interval_s
         if monitored:
-            demo["adapt"]["dry_run"] = True
+            demo["adapt"] |= {"dry_run": True, **adapt_overrides(args.adapt)}
         return RunConfig.from_dict(demo, source="bench_overhead")
     raw: dict[str, Any] = {
         "model": mlp_model(args.hidden, args.blocks, args.batch * 8),
@@ -95,10 +97,25 @@ def _config(args: argparse.Namespace, run_dir: str, *, monitored: bool, act: boo
         raw["train"]["telemetry_interval_s"] = args.telemetry_interval_s
     if monitored:
         raw["adapt"] = {"controller": args.controller, "dry_run": not act}
+        raw["adapt"] |= adapt_overrides(args.adapt)
     if act:  # a lopsided start, which always_best moves from at its first check
         raw["adapt"]["controller"] = "always_best"
         raw["pipeline"]["partition"] = [0, 1, args.blocks]
     return RunConfig.from_dict(raw, source="bench_overhead")
+
+
+def adapt_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--adapt FIELD=VALUE`` as an ``[adapt]`` table (the value read as TOML: 1, 0.05,
+    true, "ppo")."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--adapt wants FIELD=VALUE (got {pair!r})")
+        out |= tomllib.loads(f"{key.strip()} = {value.strip()}")
+    return out
 
 
 def _stage_ends(run_dir: Path, stages: int) -> dict[int, list[float]]:
@@ -207,6 +224,13 @@ def main() -> None:
         help="B's [train].telemetry_interval_s, the device samplers' period (default: "
         "the config's); a what-if",
     )
+    parser.add_argument(
+        "--adapt",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="B's [adapt] FIELD (repeatable), e.g. check_every=1, unchanged=0",
+    )
     args = parser.parse_args()
     if args.act and args.model != "mlp":
         parser.error("--act runs the mlp (lopsided bounds over its blocks); drop --model")
@@ -268,6 +292,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             else "adaptipe demo's 4 GPT jobs as one job-array, 2 stages, 1f1b, dynpipe"
         ),
         "B": f"telemetry on, [adapt] controller = {args.controller!r}, dry_run = true",
+        "adapt": adapt_overrides(args.adapt),
         "A": "telemetry off, no controller",
         "adapt_poll_s": args.adapt_poll_s or _adapt_poll_s(),
         "telemetry_interval_s": args.telemetry_interval_s or _telemetry_interval_s(),

@@ -172,6 +172,11 @@ class Chain:
     def decide(self, observation: Observation) -> Decision:
         return self.explain(observation)[0]
 
+    def settled(self) -> bool:
+        """The same readings give the same decision (`adaptipe.controllers.unchanged`):
+        the chain keeps no count between checks; an online tuner changes its weights."""
+        return self.tuner is None
+
     def explain(
         self, obs: Observation, *, times: Mapping[int, float] | None = None
     ) -> tuple[Decision, dict[str, Any]]:

@@ -36,12 +36,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from adaptipe.controllers.base import Controller, Keep
+from adaptipe.controllers.base import Controller, Decision, Keep
 from adaptipe.controllers.observation import Observation, observe
 from adaptipe.controllers.positions import Positions
 from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
 from adaptipe.controllers.threshold import Threshold, ThresholdSettings
+from adaptipe.controllers.unchanged import Settles, Unchanged
 from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record
 from adaptipe.plan.partition import Partition
@@ -160,8 +161,10 @@ class LiveDecider:
         microbatches: int = 1,
         blocks_of: Callable[[int], int] | None = None,
         positions: Positions | None = None,
+        unchanged: Unchanged | None = None,
     ) -> None:
         self.controller, self.profile = controller, profile
+        self.unchanged = unchanged if unchanged is not None else Unchanged(tolerance=0.0)
         self.positions = positions  # each stage's readings over its place's cost
         self.name = controller.name
         self.window, self.workers, self.sizes = window, workers, sizes
@@ -232,6 +235,13 @@ class LiveDecider:
         )
         if self.positions is not None:
             obs = self.positions.apply(obs)
+        since = self.unchanged.since(obs)
+        if since is not None:  # the readings of the check it settled on: keep
+            why = f"unchanged since iteration {since}: kept"
+            measured = measured_iteration_s(obs)
+            ms = None if measured is None else round(measured * 1e3, 3)
+            said = {"measured_ms": ms, "unchanged_since": since}
+            return Verdict(bounds=None, decision=Decision(reason=why).to_json(), inputs=said)
         explain = getattr(self.controller, "explain", None)
         if callable(explain):  # the chain: what each model said
             start = time.thread_time()
@@ -246,6 +256,8 @@ class LiveDecider:
                 slow = stage_slowdowns(obs)
                 logged["recalled_ms"] = recall.measured(obs, slow)
                 logged["left_ms"] = recall.left_ms(obs, slow)  # the revisit guard's
+        settles = isinstance(self.controller, Settles) and self.controller.settled()
+        self.unchanged.asked(obs, settled=decision.bounds is None and settles)
         if self.positions is not None and any(f != 1.0 for f in self.positions.factors):
             logged["position_factors"] = [round(f, 3) for f in self.positions.factors]
         return Verdict(bounds=decision.bounds, decision=decision.to_json(), inputs=logged)
@@ -287,6 +299,7 @@ def decider(run: RunDir, cfg: RunConfig) -> LiveDecider:
         microbatches=blocks_per_iteration(cfg, profile),
         blocks_of=_blocks_by_version(run, cfg, profile) if cfg.sweep is not None else None,
         positions=Positions() if cfg.adapt.calibrate else None,
+        unchanged=Unchanged(tolerance=cfg.adapt.unchanged, most=cfg.adapt.window),
     )
 
 

@@ -134,6 +134,10 @@ class Threshold:
             f"per iteration against a {stall:.3f} s move",
         )
 
+    def settled(self) -> bool:
+        """No check is counting toward a move (`adaptipe.controllers.unchanged`)."""
+        return self._over == 0
+
     def state_dict(self) -> dict[str, Any]:
         """Checks over the margin, the last move, the moves of the last hour (as ages, so
         a resume in another process counts them from its own clock)."""

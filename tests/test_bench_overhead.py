@@ -24,7 +24,7 @@ from bench._threadcpu import (
     split,
     window,
 )
-from bench.bench_overhead import decisions
+from bench.bench_overhead import adapt_overrides, decisions
 
 # A stat line whose name holds a space and a ')' (fields after it as stat(5) lists them).
 STAT = "4242 (we) ird) S 1 4242 4242 0 -1 4194560 900 0 0 0 150 25 0 0 20 0 3 0 777 " + ("0 " * 30)
@@ -156,3 +156,10 @@ def test_decisions_give_the_calls_seconds_median_p99_and_max(tmp_path: Path) -> 
     assert got["migrations"] == 1 and got["acted"] == 0 and got["over_10ms"] == 1
     assert got["cpu_median_ms"] == pytest.approx(1.25) and got["cpu_max_ms"] == pytest.approx(20)
     assert decisions(tmp_path / "missing.jsonl") == {"count": 0}
+
+
+def test_adapt_overrides_read_each_value_as_toml() -> None:
+    got = adapt_overrides(["check_every=1", "unchanged = 0", 'controller="ppo"'])
+    assert got == {"check_every": 1, "unchanged": 0, "controller": "ppo"}
+    with pytest.raises(SystemExit, match="FIELD=VALUE"):
+        adapt_overrides(["unchanged"])

@@ -42,6 +42,10 @@
                              # `adaptipe.controllers.recall`)
     revisit_checks = 50      # with recall: for this many checks after it was left, a
                              # partition ranks no better than it measured then (0: off)
+    unchanged = 0.05         # threshold, ppo: a check whose readings are each within
+                             # this fraction of those of the last check the controller
+                             # settled on keeps without asking it, at most `window`
+                             # checks in a row (`adaptipe.controllers.unchanged`; 0: off)
     calibrate = true         # divide a stage's readings by what its place costs, measured
                              # across the move that put its layers there
                              # (`adaptipe.controllers.positions`)
@@ -122,6 +126,7 @@ class AdaptSection:
     check_every: int = 4
     window: int = 8
     margin: float = 0.20
+    unchanged: float = 0.05
     patience: int = 3
     cooldown: int = 20
     max_per_hour: int = 6
@@ -147,6 +152,7 @@ class AdaptSection:
             "controller": self.controller,
             **{name: getattr(self, name) for name in _INTS},
             "margin": self.margin,
+            "unchanged": self.unchanged,
             "baseline": self.baseline,
             "recall": self.recall,
             "calibrate": self.calibrate,
@@ -178,6 +184,7 @@ def parse_adapt(
         "controller",
         *_INTS,
         "margin",
+        "unchanged",
         "baseline",
         "recall",
         "calibrate",
@@ -248,6 +255,9 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     margin = get_float(raw, "margin", source=source, prefix=p, default=0.20)
     if not 0 <= margin < 10:
         raise PlanError(f"{source}: [adapt].margin must be >= 0 and < 10 (got {margin:g})")
+    unchanged = get_float(raw, "unchanged", source=source, prefix=p, default=0.05)
+    if not 0 <= unchanged < 1:
+        raise PlanError(f"{source}: [adapt].unchanged must be >= 0 and < 1 (got {unchanged:g})")
     wait = get_float(raw, "decide_timeout_s", source=source, prefix=p, default=5.0)
     if not 0 < wait <= 3600:
         raise PlanError(
@@ -263,6 +273,7 @@ def _controller_fields(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
     return {
         **out,
         "margin": margin,
+        "unchanged": unchanged,
         "decide_timeout_s": wait,
         "online": online,
         "online_budget_s": budget,
