@@ -9,10 +9,11 @@ import datetime
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from adaptipe.monitor.capacity import PROBE_S, RAISE, LinkCapacity
+from adaptipe.monitor.capacity import FORGET, PROBE_S, LinkCapacity
 from adaptipe.profile.children import free_port, run_children
 from adaptipe.runtime.config_sections import TrainSection
 from adaptipe.runtime.link_probe import LinkProbe, probe_hook, probe_links
@@ -30,11 +31,14 @@ def test_a_remembered_rate_asks_for_a_probe_sized_to_it_and_a_probe_moves_it() -
     link.rate_Bps = 1e3
     assert link.probe_bytes(saturated=False) == 16 << 10  # never below a burst and RTTs
     link.rate_Bps = 10e6
-    link.probed(10e6 * RAISE * 0.99)
     link.probed(10e6 / 3)  # low: it may have waited behind queued sends
     assert link.rate_Bps == 10e6  # unchanged
-    link.probed(10e6 * RAISE * 1.01)
-    assert link.rate_Bps is None  # more than RAISE times it: the limit is gone
+    link.probed(12.1e6)  # the rate, read above a limit remembered low (2.58 vs 2.14)
+    assert link.rate_Bps == 12.1e6  # raised to the reading, not forgotten
+    link.probed(12.1e6 * FORGET * 0.99)
+    assert link.rate_Bps == pytest.approx(12.1e6 * FORGET * 0.99)
+    link.probed(link.rate_Bps * FORGET * 1.01)
+    assert link.rate_Bps is None  # more than FORGET times it: the limit is gone
 
 
 def test_the_links_to_probe_are_the_worker_pairs_the_schedule_sends_between() -> None:
@@ -112,7 +116,7 @@ def test_three_workers_probe_their_remembered_links_until_the_probe_settles_them
     # the throttle is over: one probe reads far above the limit, which is forgotten,
     # and nothing is probed after it
     assert [(e["iteration"], e["dst"]) for e in over] == [(2, 1)]
-    assert over[0]["rate_Bps"] > RAISE * LIMIT and over[0]["limit_after_Bps"] is None
+    assert over[0]["rate_Bps"] > FORGET * LIMIT and over[0]["limit_after_Bps"] is None
     assert got[0]["left"] == {1: None}
     assert quiet == []  # it only answered
     # tighter: each probe reads it (below the limit, which stays) and the next one comes

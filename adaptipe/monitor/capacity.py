@@ -15,17 +15,23 @@ link that has never been the bottleneck reports as before. While a cut carries l
 than the remembered rate, nothing that passes shows the end of a throttle: a probe
 does (`adaptipe.runtime.link_probe`: a payload timed to its receiver's reply, sized to
 the remembered rate). `probe_bytes` says when one is worth sending and how large;
-`probed` takes its rate in: more than ``RAISE`` times the remembered rate forgets it;
-anything less leaves it (a probe that waited behind the link's queued sends reads low:
-1.84 against 2.47 MB/s once on the bed, and had that lowered the limit, the next
-probe's 2.47 would have lifted it while the throttle was still on).
+`probed` takes its rate in: more than ``FORGET`` times the remembered rate forgets it;
+more than the remembered rate raises it to the probe's; anything less leaves it (a probe
+that waited behind the link's queued sends reads low: 1.84 against 2.47 MB/s once on the
+bed, and had that lowered the limit, the next probe's 2.47 would have lifted it while
+the throttle was still on). ``FORGET`` is not ``RAISE``: the rate a bottleneck was
+remembered at is a reading too, and on the bed's 20 Mbit/s throttle (2.5 MB/s) runs
+remembered it at 2.14-3.0 MB/s; a probe reads within a few percent of the rate, so 2.58
+against 2.14 (1.21x) once forgot a throttle that was still on, and a controller moved
+its layers back onto it (session 24). Its end reads 25-60x; 1.5x leaves room for both.
 """
 
 from __future__ import annotations
 
-__all__ = ["PROBE_S", "RAISE", "LinkCapacity"]
+__all__ = ["FORGET", "PROBE_S", "RAISE", "LinkCapacity"]
 
 RAISE = 1.2
+FORGET = 1.5
 # A probe's payload takes about this long at the remembered rate: long enough that its
 # overheads (a round trip, thread wake-ups: 0.3-1 ms on the bed) read the rate within the
 # 1.2x band, short enough to cost little (at 20 ms, probing every 10 iterations cost the
@@ -62,7 +68,12 @@ class LinkCapacity:
         return int(min(max(self.rate_Bps * PROBE_S, low), high))
 
     def probed(self, rate_Bps: float) -> None:
-        """A probe's rate: above ``RAISE`` times the remembered rate the limit is gone
-        (forgotten); otherwise it stays (see the module doc)."""
-        if self.rate_Bps is not None and rate_Bps > RAISE * self.rate_Bps:
+        """A probe's rate: above ``FORGET`` times the remembered rate the limit is gone
+        (forgotten); above the remembered rate it is the limit now; below, the limit
+        stays (see the module doc)."""
+        if self.rate_Bps is None:
+            return
+        if rate_Bps > FORGET * self.rate_Bps:
             self.rate_Bps = None
+        elif rate_Bps > self.rate_Bps:
+            self.rate_Bps = rate_Bps

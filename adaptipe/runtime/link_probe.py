@@ -22,8 +22,9 @@ is light, about 10 ms of payload at that rate), then::
       recv ACK   <-------------------------- send ACK
       rate = n / (now - t0) -> LinkCapacity.probed
 
-A rate above 1.2x the remembered one forgets it (the link reports what it carries
-again, and a controller may move back); a lower one changes nothing. Each probe is
+A rate above 1.5x the remembered one forgets it (the link reports what it carries
+again, and a controller may move back); one above it, but less, becomes the limit; a
+lower one changes nothing (`adaptipe.monitor.capacity`). Each probe is
 logged (``link_probe`` in the stage's log). Links go in the order of their lower, then
 higher worker, the lower end's direction first: every worker takes its own in that
 order, so the blocking exchanges form chains, never a cycle. What it costs: a 1-element
