@@ -146,6 +146,9 @@ def decisions(control: Path) -> dict[str, Any]:
         "over_10ms": sum(1 for s in secs if s > 0.010),
         "cpu_median_ms": round(statistics.median(cpu) * 1e3, 3) if cpu else None,
         "cpu_max_ms": round(cpu[-1] * 1e3, 3) if cpu else None,
+        "unchanged": sum(
+            1 for e in calls if str(e.get("decision", {}).get("reason", "")).startswith("unchanged")
+        ),
         "acted": sum(1 for e in events if e.get("event") == "decision" and e.get("acted")),
         "errors": sum(1 for e in events if e.get("event") == "decision" and "error" in e),
         "migrations": sum(1 for e in events if e.get("event") == "migration"),
@@ -355,6 +358,7 @@ def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "p99_ms_max_over_runs": max(r["p99_ms"] for r in runs),
         "max_ms": max(r["max_ms"] for r in runs),
         "over_10ms": sum(r.get("over_10ms", 0) for r in runs),
+        "unchanged": sum(r.get("unchanged", 0) for r in runs),
         "cpu_max_ms": max((r["cpu_max_ms"] for r in runs if r.get("cpu_max_ms")), default=None),
     }
 

@@ -148,12 +148,14 @@ def test_decisions_give_the_calls_seconds_median_p99_and_max(tmp_path: Path) -> 
         {"event": "decision", "seconds": s / 1e3, "cpu_seconds": s / 2e3, "acted": False}
         for s in (1, 2, 3, 40)
     ]
+    lines[0]["decision"] = {"bounds": None, "reason": "unchanged since iteration 3: kept"}
     lines += [{"event": "migration", "ok": True}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     got = decisions(path)
     assert got["count"] == 4 and got["median_ms"] == pytest.approx(2.5)
     assert got["p99_ms"] == pytest.approx(40) and got["max_ms"] == pytest.approx(40)
     assert got["migrations"] == 1 and got["acted"] == 0 and got["over_10ms"] == 1
+    assert got["unchanged"] == 1
     assert got["cpu_median_ms"] == pytest.approx(1.25) and got["cpu_max_ms"] == pytest.approx(20)
     assert decisions(tmp_path / "missing.jsonl") == {"count": 0}
 
