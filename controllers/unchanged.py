@@ -96,10 +96,14 @@ class Unchanged:
 
     def since(self, obs: Observation) -> int | None:
         """The iteration of the settled check whose readings ``obs``'s match (this
-        check keeps, counted), or None: ask the controller."""
-        if self.tolerance <= 0 or self._settled is None or self._kept >= self.most:
+        check keeps, counted), or None: ask the controller (what it settled on is
+        forgotten until `asked` says so again, so a call that raises leaves nothing)."""
+        settled = self._settled
+        if settled is None or self._kept >= self.most or self.tolerance <= 0:
+            self._settled = self._since = None
             return None
-        if not _near(readings(obs), self._settled, self.tolerance):
+        if not _near(readings(obs), settled, self.tolerance):
+            self._settled = self._since = None
             return None
         self._kept += 1
         return self._since

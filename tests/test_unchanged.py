@@ -72,6 +72,13 @@ def test_a_moved_reading_or_another_partition_asks(moved: dict[str, Any]) -> Non
     assert quiet.since(obs(12, **moved)) is None
 
 
+def test_a_check_that_asks_forgets_what_was_settled_until_asked_says_so_again() -> None:
+    quiet = Unchanged(tolerance=0.05)
+    quiet.asked(obs(10), settled=True)
+    assert quiet.since(obs(11, stage_s=(4e-3, 3e-3))) is None  # moved: the controller ...
+    assert quiet.since(obs(12)) is None  # ... raised, say: asked again, not kept
+
+
 def test_an_unsettled_controller_or_tolerance_zero_is_always_asked() -> None:
     quiet = Unchanged(tolerance=0.05)
     quiet.asked(obs(10), settled=False)
