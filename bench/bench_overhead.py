@@ -146,9 +146,7 @@ def decisions(control: Path) -> dict[str, Any]:
         "over_10ms": sum(1 for s in secs if s > 0.010),
         "cpu_median_ms": round(statistics.median(cpu) * 1e3, 3) if cpu else None,
         "cpu_max_ms": round(cpu[-1] * 1e3, 3) if cpu else None,
-        "unchanged": sum(
-            1 for e in calls if str(e.get("decision", {}).get("reason", "")).startswith("unchanged")
-        ),
+        "unchanged": sum(1 for e in calls if "unchanged_since" in (e.get("inputs") or {})),
         "acted": sum(1 for e in events if e.get("event") == "decision" and e.get("acted")),
         "errors": sum(1 for e in events if e.get("event") == "decision" and "error" in e),
         "migrations": sum(1 for e in events if e.get("event") == "migration"),

@@ -71,6 +71,11 @@ def _factor(a: float, b: float) -> float:
     return max(a, b) / min(a, b) if min(a, b) > 0 else math.inf
 
 
+def _stages_factor(a: Sequence[float], b: Sequence[float]) -> float:
+    """The largest factor between two stages' slowdowns (same stage count)."""
+    return max(map(_factor, a, b), default=1.0)
+
+
 def _links(obs: Observation) -> tuple[float, ...]:
     """Per stage boundary the measured bandwidth (B/s), 0.0 where unmeasured."""
     return tuple(bw if math.isfinite(bw) else 0.0 for bw in obs.boundary_bandwidths())
@@ -88,7 +93,7 @@ class _Entry:
         slowdowns, and between two boundaries' bandwidths (inf for other counts)."""
         if len(slowdowns) != len(self.slowdowns) or len(links) != len(self.links):
             return math.inf, math.inf
-        stages = max(map(_factor, slowdowns, self.slowdowns), default=1.0)
+        stages = _stages_factor(slowdowns, self.slowdowns)
         return stages, max(map(_factor, links, self.links), default=1.0)
 
 
@@ -225,13 +230,10 @@ class Recall:
         measures now (the model's frame). A partition left within ``revisit_checks``
         checks and not matched so ranks no better than that figure from what it measured
         when it was left (the module doc)."""
+        if tuple(bounds) == tuple(obs.bounds) or not math.isfinite(in_force_s):
+            return predicted_s
         now = measured_iteration_s(obs)
-        if (
-            tuple(bounds) == tuple(obs.bounds)
-            or now is None
-            or not now > 0
-            or not math.isfinite(in_force_s)
-        ):
+        if now is None or not now > 0:
             return predicted_s
         then = self.seconds(obs, bounds, slowdowns)
         if then is not None:
@@ -248,7 +250,7 @@ class Recall:
         left = self._left.get(_key(bounds, obs.microbatches))
         if left is None or not self._recent(left) or len(slowdowns) != len(left.slowdowns):
             return None
-        if max(map(_factor, slowdowns, left.slowdowns), default=1.0) > self.tolerance:
+        if _stages_factor(slowdowns, left.slowdowns) > self.tolerance:
             return None
         if _network_improved(_links(obs), left.links, self.link_tolerance):
             return None

@@ -98,15 +98,16 @@ class Unchanged:
         """The iteration of the settled check whose readings ``obs``'s match (this
         check keeps, counted), or None: ask the controller (what it settled on is
         forgotten until `asked` says so again, so a call that raises leaves nothing)."""
-        settled = self._settled
-        if settled is None or self._kept >= self.most or self.tolerance <= 0:
-            self._settled = self._since = None
-            return None
-        if not _near(readings(obs), settled, self.tolerance):
-            self._settled = self._since = None
-            return None
-        self._kept += 1
-        return self._since
+        settled = self._settled  # None unless `asked` kept one (never with tolerance 0)
+        if (
+            settled is not None
+            and self._kept < self.most
+            and _near(readings(obs), settled, self.tolerance)
+        ):
+            self._kept += 1
+            return self._since
+        self._settled = self._since = None
+        return None
 
     def asked(self, obs: Observation, *, settled: bool) -> None:
         """The controller decided on ``obs``: remember its readings where it kept and

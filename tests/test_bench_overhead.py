@@ -149,6 +149,7 @@ def test_decisions_give_the_calls_seconds_median_p99_and_max(tmp_path: Path) -> 
         for s in (1, 2, 3, 40)
     ]
     lines[0]["decision"] = {"bounds": None, "reason": "unchanged since iteration 3: kept"}
+    lines[0]["inputs"] = {"measured_ms": 1.0, "unchanged_since": 3}
     lines += [{"event": "migration", "ok": True}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     got = decisions(path)
