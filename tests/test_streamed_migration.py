@@ -18,9 +18,10 @@ from adaptipe.runtime import courier_main
 from adaptipe.runtime.config import RunConfig
 from adaptipe.runtime.launch import StageFailed, train
 from adaptipe.runtime.migration import MIGRATION_FAULT_ENV
+from adaptipe.runtime.plan_switch import link_floors
 from adaptipe.runtime.planversion import adoptions
 from adaptipe.runtime.rundir import RunDir
-from adaptipe.runtime.streamproto import PER_STEP, base_pace
+from adaptipe.runtime.streamproto import LAG_CAUSE, PER_STEP, base_pace
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
 from tests.test_migration import _assert_bitwise, _events
@@ -169,6 +170,45 @@ def test_a_failed_stream_keeps_the_old_partition_and_changes_no_bit(
     _assert_bitwise(_final(tried), _final(tmp_path / "still"))
 
 
+@pytest.mark.parametrize("streamer", ["thread", pytest.param("process", marks=pytest.mark.slow)])
+def test_a_stream_whose_gradient_log_lags_moves_by_stop_and_copy_at_once(
+    make_config: Callable[..., RunConfig],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    streamer: str,
+) -> None:
+    """The link cannot carry the gradient log (``lag``: the sender's log falls behind at
+    its first step): the workers agree on it at the next boundary and move the layers
+    by stop-and-copy there, instead of dropping the move for the manager to ask again."""
+    case = dict(CASES["1f1b-2-adam"], moves=[(3, [0, 2, 6])])  # 0 sends
+    train(_config(make_config, case, tmp_path / "still", moves=False))
+    moved = tmp_path / "moved"
+    monkeypatch.setenv(MIGRATION_FAULT_ENV, "lag:0")
+    train(_config(make_config, case, moved, moves=True, adapt={"streamer": streamer}))
+    lagged = _events(moved, "stream_lagged", 2)
+    assert [[(e["ok"], e["lagged"], e["transfer"]) for e in s] for s in lagged] == [
+        [(False, True, "streamed")]
+    ] * 2
+    assert lagged[0][0]["cause"] == LAG_CAUSE  # the sender's; the receiver heard it lagged
+    migrations = _events(moved, "migration", 2)
+    assert [[(e["ok"], e["transfer"]) for e in s] for s in migrations] == [
+        [(True, "stop_and_copy")]
+    ] * 2
+    assert all(s[0]["instead_of"] == LAG_CAUSE for s in migrations)
+    at = migrations[0][0]["iteration"]
+    assert at == migrations[1][0]["iteration"] and 3 < at <= 5  # at the next boundaries
+    assert list(adoptions(RunDir(moved)).values()) == [at]
+    said = [
+        e
+        for e in map(json.loads, (moved / "control.jsonl").read_text().splitlines())
+        if e.get("event") == "migration"
+    ]
+    assert [(e["iteration"], e["ok"], e["instead_of"]) for e in said] == [(at, True, LAG_CAUSE)]
+    plans = _events(moved, "plan", 2)
+    assert [s[-1]["layers"] for s in plans] == [[0, 1], [2, 3, 4, 5]]
+    _assert_bitwise(_final(moved), _final(tmp_path / "still"))
+
+
 @pytest.mark.slow
 def test_a_run_killed_between_two_streamed_migrations_resumes_bitwise(
     make_config: Callable[..., RunConfig], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -202,6 +242,27 @@ def test_the_crossover_streams_large_state_when_the_log_keeps_up() -> None:
     assert choose_transfer(cost, **big, bandwidth_Bps=1e8, comm_share=0.1) == "streamed"
     assert choose_transfer(cost, **small, bandwidth_Bps=1e9, comm_share=0.1) == "stop_and_copy"
     assert choose_transfer(cost, **big, bandwidth_Bps=4e7, comm_share=0.1) == "stop_and_copy"
+
+
+def test_a_vote_reads_the_slower_direction_of_the_link() -> None:
+    """The bed's 20 Mbit/s throttle (a kept bench_adaptive run, session 24): the sender's
+    light gradient sends to stage 0 complete into the socket buffer and read 90 MB/s,
+    stage 0's activations the other way read the throttle's 2.3 MB/s. Voting on the
+    sender's reading streamed the move, and the gradient log fell behind; the link's
+    slower direction copies it at once."""
+    move = {"state_bytes": 1_772_488, "log_bytes": 591_000, "iteration_s": 0.17}
+    floors = link_floors([[0.0, 2.3e6], [9e7, 0.0]])
+    assert floors == [[0.0, 2.3e6], [2.3e6, 0.0]]
+    assert choose_transfer(MigrationCost(), **move, bandwidth_Bps=9e7, comm_share=0.05) == (
+        "streamed"
+    )
+    assert (
+        choose_transfer(MigrationCost(), **move, bandwidth_Bps=floors[1][0], comm_share=0.05)
+        == "stop_and_copy"
+    )
+    # a direction never measured leaves the other's reading; neither leaves 0 (unmeasured)
+    assert link_floors([[0.0, 0.0], [5e7, 0.0]]) == [[0.0, 5e7], [5e7, 0.0]]
+    assert link_floors([[0.0, 0.0], [0.0, 0.0]]) == [[0.0, 0.0], [0.0, 0.0]]
 
 
 def test_bad_transfer_settings_name_the_field(make_config: Callable[..., RunConfig]) -> None:

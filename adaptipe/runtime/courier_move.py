@@ -44,6 +44,8 @@ from adaptipe.runtime.stagestate import Stage
 from adaptipe.runtime.streamproto import (
     BACKLOG,
     FAILED,
+    LAG_CAUSE,
+    LAGGED,
     PER_STEP,
     READY,
     WAIT,
@@ -94,6 +96,7 @@ class CourierMove:
         self._courier, self._busy = courier, busy
         self._fault = stream_fault(rank)
         self._error = ""
+        self._lagged = False  # the gradient log fell behind: stop-and-copy at once
         self._status = WAIT
         self._began = False
         self._copies: dict[int, LayerSlot] = {}
@@ -235,7 +238,7 @@ class CourierMove:
         done = self.stage.steps_done - self.base_step  # steps the receiver must replay
         mine = READY
         if self._error or late:
-            mine = FAILED
+            mine = LAGGED if self._lagged else FAILED
             self._error = self._error or f"not moved within {self.settings.timeout_s:g} s"
         elif self._behind(done) > 1:
             mine = WAIT
@@ -250,7 +253,7 @@ class CourierMove:
         report = MigrationReport(
             ok=False, moves=self.moves, transfer="streamed", streamer="process"
         )
-        mine = READY if self._status == READY else FAILED
+        mine = self._status if self._status in (READY, LAGGED) else FAILED
         if mine == READY and self.incoming:
             self._adopt(self.stage.steps_done - self.base_step)
             mine = FAILED if self._error else READY
@@ -263,6 +266,7 @@ class CourierMove:
             report.ok = True
         else:
             report.cause = self._error or "another worker's side failed"
+            report.lagged = agreed == LAGGED
         return finish_report(
             report, self.stage, self._sent, self._received, t0=t0,
             boundaries=self.boundaries, started=self.started, pace_Bps=self.settings.pace_Bps,
@@ -325,11 +329,9 @@ class CourierMove:
         for k, move in self.outgoing:
             ring = self._rings[k]
             free = ring.take()
-            if free is None:  # the link cannot keep up
-                self._fail(
-                    f"the gradient log fell {BACKLOG} steps behind the link; the move needs "
-                    "stop-and-copy ([adapt] transfer)"
-                )
+            if free is None or self._fault == "lag":  # the link cannot keep up
+                self._lagged = not self._error
+                self._fail(LAG_CAUSE)
                 self.stage.tap_steps(None)
                 return
             tensors: list[torch.Tensor | None] = []

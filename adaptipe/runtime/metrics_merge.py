@@ -66,6 +66,7 @@ class MetricsFollower:
                     ),
                     "streamed_s": max(float(e.get("streamed_s", 0.0)) for e in events),
                     "log_bytes": sum(int(e.get("log_bytes", 0)) for e in events),
+                    "instead_of": events[0].get("instead_of", ""),
                 }
             )
         return out

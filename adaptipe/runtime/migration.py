@@ -51,9 +51,12 @@ MIGRATION_FAULT_ENV = "ADAPTIPE_INJECT_MIGRATION_FAULT"
 for tests): ``raise`` (the sender fails before sending), ``corrupt`` (a payload byte is
 flipped after its digest is taken), ``late`` (the payload leaves only after the receiver's
 timeout), ``refuse`` (the receiver fails while it reads a payload); streamed moves also
-take ``open`` (the worker's end of the state channel fails to open) and ``die`` (the
-worker's streaming helper process exits in the middle of a move)."""
+take ``open`` (the worker's end of the state channel fails to open), ``die`` (the
+worker's streaming helper process exits in the middle of a move) and ``lag`` (the
+sender's gradient log falls behind, as over a link too slow to carry it)."""
 
+_FAULTS = ("raise", "corrupt", "late", "refuse")
+_STREAMED_FAULTS = ("open", "die", "lag")
 _TAG = 0x40000000  # above the transport's tags at these sizes
 _MOVES = 64  # tags per migration (two per move)
 
@@ -93,11 +96,17 @@ class MigrationReport:
     pace_Bps: float = 0.0
     base_s: float = 0.0
     streamer: str = ""  # streamed only: "thread" or "process" (the worker's helper)
+    # streamed only: failed because the link could not carry the gradient log (the
+    # workers then move by stop-and-copy at the same boundary; `PlanSwitch.move`)
+    lagged: bool = False
+    instead_of: str = ""  # stop-and-copy only: the cause of the streamed move it replaced
 
     def to_json(self) -> dict[str, Any]:
         return {
             "transfer": self.transfer,
             "streamer": self.streamer,
+            "lagged": self.lagged,
+            "instead_of": self.instead_of,
             "streamed_iterations": self.streamed_iterations,
             "streamed_s": self.streamed_s,
             "log_bytes": self.log_bytes,
@@ -184,12 +193,12 @@ def _fault() -> tuple[str, int] | None:
     kind, _, rank = value.partition(":")
     if not value:
         return None
-    if kind not in ("raise", "corrupt", "late", "refuse", "open", "die") or not rank.isdigit():
+    if kind not in (*_FAULTS, *_STREAMED_FAULTS) or not rank.isdigit():
         raise ValueError(
-            f"{MIGRATION_FAULT_ENV}={value!r} must be KIND:RANK with KIND one of raise, "
-            "corrupt, late, refuse, open, die (e.g. corrupt:0)"
+            f"{MIGRATION_FAULT_ENV}={value!r} must be KIND:RANK with KIND one of "
+            f"{', '.join((*_FAULTS, *_STREAMED_FAULTS))} (e.g. corrupt:0)"
         )
-    return (kind, int(rank)) if kind not in ("open", "die") else None  # streamed moves only
+    return (kind, int(rank)) if kind in _FAULTS else None  # the others: streamed moves only
 
 
 def _exchange(

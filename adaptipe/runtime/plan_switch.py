@@ -6,7 +6,11 @@ proposed at that boundary but adopted only once its layers have crossed: until t
 training goes on on the partition in force, and the version is recorded (and replayed
 by a resumed run) where the switch happened. Whether a move streams is one answer on
 every worker: the config's ``[adapt] transfer``, and for ``"auto"`` the minimum of every
-sender's vote on the crossover rule (`vote`).
+sender's vote on the crossover rule (`vote`), each over the slower of its link's two
+directions as their senders measured them (`link_floors`: a direction that carries light
+sends reads fast however slow the link, since a light send completes into the socket
+buffer). A streamed move whose gradient log the link could not carry goes by
+stop-and-copy at the boundary where the workers agree on that (`PlanSwitch.move`).
 
 A streamed move's work runs in threads of the stage process or, with ``[adapt] streamer
 = "process"``, in the worker's helper process (`adaptipe.runtime.courier_move`), started
@@ -31,17 +35,17 @@ from adaptipe.runtime.courier import Courier
 from adaptipe.runtime.courier_move import CourierMove
 from adaptipe.runtime.follower import PlanFollower
 from adaptipe.runtime.iteration_stats import IterationStats
-from adaptipe.runtime.migration import Move, plan_moves
+from adaptipe.runtime.migration import Move, layers_of, migrate, plan_moves
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
 from adaptipe.runtime.streamed import StreamedMove
-from adaptipe.runtime.streamproto import WAIT, StreamSettings, base_pace
+from adaptipe.runtime.streamproto import LAG_CAUSE, WAIT, StreamSettings, base_pace
 from adaptipe.runtime.transport import P2PTransport
 from adaptipe.schedule.types import Schedule
 from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfer
 
-__all__ = ["PlanSwitch", "vote"]
+__all__ = ["PlanSwitch", "link_floors", "vote"]
 
 Log = Callable[[dict[str, Any]], None]
 
@@ -99,6 +103,31 @@ class PlanSwitch:
             self.follower.take(proposed, it)
         return proposed
 
+    def move(
+        self, old: Partition, new: Partition, schedule: Schedule, *, wire: torch.device,
+        seq: int, log: Log,
+    ) -> bool:  # fmt: skip
+        """Move layers live from ``old`` to ``new`` at this boundary (every worker): switch
+        the streamed move under way, or copy them now (stop-and-copy, ``seq`` numbering
+        its messages), also where a streamed move failed because the link could not carry
+        its gradient log (then its report is logged as ``stream_lagged``). ``log`` gets
+        each report; False when the old partition stays."""
+        streaming, instead_of = self.take_streaming(), ""
+        if streaming is not None:
+            report = streaming.switch(layers_of(new, schedule, self.stage.rank))
+            if report.ok or not report.lagged:
+                log(report.to_json())
+                return report.ok
+            log({**report.to_json(), "event": "stream_lagged"})
+            instead_of = LAG_CAUSE
+        report = migrate(
+            self.stage, old=old, new=new, schedule=schedule, wire=wire,
+            timeout_s=self.config.adapt.timeout_s, seq=seq,
+        )  # fmt: skip
+        report.instead_of = instead_of
+        log(report.to_json())
+        return report.ok
+
     def take_streaming(self) -> StreamedMove | CourierMove | None:
         """The streamed move whose version is being adopted now (None: stop-and-copy)."""
         streaming, self.streaming = self.streaming, None
@@ -141,10 +170,11 @@ class PlanSwitch:
         if adapt.transfer == "streamed":
             return True
         stats = self.last
+        floors = self._link_floors(len(partition.bounds) - 1)
         mine = vote(
             self.stage,
             plan_moves(partition, plan.partition, schedule),
-            bandwidth_Bps=self.transport.bandwidth_Bps,
+            bandwidth_Bps=lambda dst: floors[dst],
             iteration_s=stats.iteration_s / self.last_rounds if stats else 0.0,
             comm_share=stats.comm_s / stats.iteration_s if stats and stats.iteration_s else 0.0,
             sent_Bps=self.sent_Bps,
@@ -153,6 +183,18 @@ class PlanSwitch:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.follower.group)
         return int(box.item()) == 1
+
+    def _link_floors(self, stages: int) -> list[float]:
+        """Per worker, the slower direction of this worker's link to it (`link_floors`;
+        one all-reduce of every worker's readings on every worker)."""
+        rank = self.stage.rank
+        box = torch.zeros((stages, stages), dtype=torch.float64, device=self.follower.device)
+        for peer in range(stages):
+            if peer != rank:
+                box[rank, peer] = self.transport.bandwidth_Bps(peer)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(box, op=dist.ReduceOp.SUM, group=self.follower.group)
+        return link_floors(box.tolist())[rank]
 
     def _start(
         self, plan: PlanVersion, partition: Partition, schedule: Schedule
@@ -222,6 +264,19 @@ def vote(
         if choice != "streamed":
             return 0
     return 1
+
+
+def link_floors(readings: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Per pair of workers, the slower of the link's two directions: ``readings[a][b]``
+    is worker ``a``'s measured bandwidth to ``b`` (0: unmeasured), and a direction
+    unmeasured leaves the other's reading (0 where neither is measured)."""
+    n = len(readings)
+    out = [[0.0] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(n):
+            both = [r for r in (readings[a][b], readings[b][a]) if r > 0]
+            out[a][b] = min(both) if both else 0.0
+    return out
 
 
 def _state_bytes(slot: LayerSlot) -> int:

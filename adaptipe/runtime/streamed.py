@@ -67,6 +67,8 @@ from adaptipe.runtime.statestream import (
 from adaptipe.runtime.streamproto import (
     BACKLOG,
     FAILED,
+    LAG_CAUSE,
+    LAGGED,
     PER_STEP,
     READY,
     WAIT,
@@ -131,6 +133,7 @@ class StreamedMove:
         self.started = time.monotonic()
         self._fault = stream_fault(rank)
         self._error = ""
+        self._lagged = False  # the gradient log fell behind: stop-and-copy at once
         self._status = WAIT
         self._copies: dict[int, LayerSlot] = {}
         self._applied = {k: -1 for k, _ in self.incoming}  # 0: the base, n: step base + n - 1
@@ -203,7 +206,7 @@ class StreamedMove:
         done = self.stage.steps_done - self.base_step  # steps the receiver must replay
         mine = READY
         if self._error or time.monotonic() - self.started > self.settings.timeout_s:
-            mine = FAILED
+            mine = LAGGED if self._lagged else FAILED
             self._error = self._error or f"not moved within {self.settings.timeout_s:g} s"
         elif self._behind(done) > 1:
             mine = WAIT
@@ -216,7 +219,7 @@ class StreamedMove:
         owner. Returns this worker's report; when not ok nothing changed."""
         t0 = time.perf_counter()
         report = MigrationReport(ok=False, moves=self.moves, transfer="streamed", streamer="thread")
-        mine = READY if self._status == READY else FAILED
+        mine = self._status if self._status in (READY, LAGGED) else FAILED
         if mine == READY:
             done = self.stage.steps_done - self.base_step
             replayed = lambda: bool(self._error) or all(n >= done for n in self._applied.values())  # noqa: E731
@@ -232,6 +235,7 @@ class StreamedMove:
             report.ok = True
         else:
             report.cause = self._error or "another worker's side failed"
+            report.lagged = agreed == LAGGED
         return finish_report(
             report, self.stage, self._sent, self._received, t0=t0,
             boundaries=self.boundaries, started=self.started, pace_Bps=self.settings.pace_Bps,
@@ -256,11 +260,10 @@ class StreamedMove:
         (copies: an optimizer may change them in place) and buffers."""
         held = {slot.index: slot for slot in slots}
         n = step - self.base_step + 1
-        if self._logged - self._log_sent > BACKLOG * len(self.outgoing):  # the link lags
-            self._error = self._error or (
-                f"the gradient log fell {BACKLOG} steps behind the link; the move needs "
-                "stop-and-copy ([adapt] transfer)"
-            )
+        lags = self._logged - self._log_sent > BACKLOG * len(self.outgoing)
+        if lags or self._fault == "lag":  # the link cannot carry the log
+            self._lagged = not self._error
+            self._error = self._error or LAG_CAUSE
             self.stage.tap_steps(None)
             return
         for k, move in self.outgoing:

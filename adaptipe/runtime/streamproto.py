@@ -27,6 +27,8 @@ from adaptipe.runtime.stagestate import Stage
 __all__ = [
     "BACKLOG",
     "FAILED",
+    "LAGGED",
+    "LAG_CAUSE",
     "PER_STEP",
     "READY",
     "WAIT",
@@ -43,12 +45,15 @@ __all__ = [
     "wait_until",
 ]
 
-READY, WAIT, FAILED = 1, 0, -1
+# What the workers agree on at a boundary (the minimum wins): switch now, stream on, the
+# link could not carry the gradient log (the move goes by stop-and-copy at once), failed.
+READY, WAIT, LAGGED, FAILED = 1, 0, -1, -2
 PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
 _BASE = 1 << 62  # the base copy's stream ids: _BASE + move * PER_LAYER + its layer's place
 PER_LAYER = 1 << 20
 _ADDRESS_BYTES = 192
 BACKLOG = 8  # logged steps a sender may hold before the move fails (memory stays bounded)
+LAG_CAUSE = f"the gradient log fell {BACKLOG} steps behind the link; the move goes by stop-and-copy"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,7 +124,7 @@ def finish_report(
 
 
 def agree(mine: int, *, group: Any, device: torch.device) -> int:
-    """The minimum of every worker's ``mine`` (READY, WAIT, FAILED) on ``group``."""
+    """The minimum of every worker's ``mine`` (READY, WAIT, LAGGED, FAILED) on ``group``."""
     box = torch.tensor([mine], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group)
@@ -156,7 +161,8 @@ def state_buffers(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
 def stream_fault(rank: int) -> str | None:
     """``ADAPTIPE_INJECT_MIGRATION_FAULT`` for this worker's end of a streamed move:
     ``raise`` or ``corrupt`` (sending), ``open`` (opening the channel), ``die`` (its
-    streaming helper exits mid-move; moves through a helper only)."""
+    streaming helper exits mid-move; moves through a helper only), ``lag`` (its gradient
+    log falls behind at the first step it logs, as over a link too slow to carry it)."""
     kind, _, target = os.environ.get(MIGRATION_FAULT_ENV, "").partition(":")
     return kind if target.isdigit() and int(target) == rank else None
 

@@ -64,7 +64,7 @@ from adaptipe.runtime.iteration_stats import IterationStats
 from adaptipe.runtime.link_probe import probe_hook
 from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.memory_guard import guard_hook
-from adaptipe.runtime.migration import layers_of, migrate
+from adaptipe.runtime.migration import layers_of
 from adaptipe.runtime.plan_switch import PlanSwitch
 from adaptipe.runtime.planversion import PlanVersion
 from adaptipe.runtime.records import done_record, log, log_window
@@ -352,24 +352,13 @@ class _Worker:
                 log(fh, {"event": "checkpoint", "stage": rank, "iteration": it})
             log(fh, {"event": "restart", **event})
             raise RestartForPlan(f"restarting at iteration {it} to hold {partition.bounds}")
-        streaming = self.switch.take_streaming()
-        if method == "live" and streaming is not None:
-            report = streaming.switch(layers_of(partition, self.windows.schedule(), rank))
-            log(fh, {"event": "migration", **event, **report.to_json()})
-            if not report.ok:
-                return False
-        elif method == "live":
-            report = migrate(
-                self.stage,
-                old=self.partition,
-                new=partition,
-                schedule=self.windows.schedule(),
-                wire=self.wire,
-                timeout_s=self.config.adapt.timeout_s,
+        if method == "live":
+            moved = self.switch.move(
+                self.partition, partition, self.windows.schedule(), wire=self.wire,
                 seq=self.follower.active.version if self.follower.active is not None else 0,
-            )
-            log(fh, {"event": "migration", **event, **report.to_json()})
-            if not report.ok:
+                log=lambda report: log(fh, {"event": "migration", **event, **report}),
+            )  # fmt: skip
+            if not moved:
                 return False
         else:
             self._move_through_checkpoint(partition, it, fh)
