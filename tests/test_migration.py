@@ -138,6 +138,12 @@ def test_live_migrations_end_bitwise_equal_to_no_migration(
     plans = _events(moved, "plan", workers)
     held = sorted(i for s in plans for i in s[-1]["layers"])
     assert held == list(range(6))
+    if "sweep" not in case:  # `transfer = "auto"` voted (and copied these small states)
+        votes = _events(moved, "transfer_vote", workers)
+        assert [[(e["iteration"], e["streamed"]) for e in s] for s in votes] == [
+            [(it, False) for it, _ in case["moves"]]
+        ] * workers
+        assert all(len(e["links_Bps"]) == workers for s in votes for e in s)
     said = _control_migrations(moved)  # the manager's log: one event per migration
     assert [(e["iteration"], e["bounds"], e["ok"]) for e in said] == [
         (it, bounds, True) for it, bounds in case["moves"]

@@ -45,6 +45,7 @@ from adaptipe.runtime.streamproto import (
     BACKLOG,
     FAILED,
     LAG_CAUSE,
+    LAG_STEPS,
     LAGGED,
     PER_STEP,
     READY,
@@ -328,7 +329,7 @@ class CourierMove:
         n = step - self.base_step + 1
         for k, move in self.outgoing:
             ring = self._rings[k]
-            free = ring.take()
+            free = ring.take() if ring.in_use() <= LAG_STEPS else None
             if free is None or self._fault == "lag":  # the link cannot keep up
                 self._lagged = not self._error
                 self._fail(LAG_CAUSE)

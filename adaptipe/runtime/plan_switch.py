@@ -93,7 +93,7 @@ class PlanSwitch:
                 self.streaming = None
                 log({"event": "stream_dropped", "stage": rank, "iteration": it,
                      "version": streaming.version})  # fmt: skip
-        elif proposed is not None and self._streams(proposed, it, partition, schedule):
+        elif proposed is not None and self._streams(proposed, it, partition, schedule, log):
             assert proposed.partition is not None
             self.streaming = self._start(proposed, partition, schedule)
             log({"event": "stream_start", "stage": rank, "iteration": it,
@@ -153,7 +153,7 @@ class PlanSwitch:
         return Courier(low=low, threads=torch.get_num_threads(), device=str(self.stage.device))
 
     def _streams(
-        self, plan: PlanVersion, it: int, partition: Partition, schedule: Schedule
+        self, plan: PlanVersion, it: int, partition: Partition, schedule: Schedule, log: Log
     ) -> bool:
         adapt = self.config.adapt
         if (
@@ -170,19 +170,28 @@ class PlanSwitch:
         if adapt.transfer == "streamed":
             return True
         stats = self.last
-        floors = self._link_floors(len(partition.bounds) - 1)
+        floors = self._link_floors(self.config.pipeline.stages)
+        inputs = {
+            "iteration_s": stats.iteration_s / self.last_rounds if stats else 0.0,
+            "comm_share": stats.comm_s / stats.iteration_s if stats and stats.iteration_s else 0.0,
+            "sent_Bps": self.sent_Bps,
+        }
         mine = vote(
             self.stage,
             plan_moves(partition, plan.partition, schedule),
             bandwidth_Bps=lambda dst: floors[dst],
-            iteration_s=stats.iteration_s / self.last_rounds if stats else 0.0,
-            comm_share=stats.comm_s / stats.iteration_s if stats and stats.iteration_s else 0.0,
-            sent_Bps=self.sent_Bps,
+            iteration_s=inputs["iteration_s"],
+            comm_share=inputs["comm_share"],
+            sent_Bps=inputs["sent_Bps"],
         )
         box = torch.tensor([mine], dtype=torch.int64, device=self.follower.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.follower.group)
-        return int(box.item()) == 1
+        agreed = int(box.item()) == 1
+        log({"event": "transfer_vote", "stage": self.stage.rank, "iteration": it,
+             "version": plan.version, "links_Bps": floors, **inputs, "mine": mine,
+             "streamed": agreed})  # fmt: skip
+        return agreed
 
     def _link_floors(self, stages: int) -> list[float]:
         """Per worker, the slower direction of this worker's link to it (`link_floors`;

@@ -65,9 +65,9 @@ from adaptipe.runtime.statestream import (
     StreamTimeout,
 )
 from adaptipe.runtime.streamproto import (
-    BACKLOG,
     FAILED,
     LAG_CAUSE,
+    LAG_STEPS,
     LAGGED,
     PER_STEP,
     READY,
@@ -260,7 +260,7 @@ class StreamedMove:
         (copies: an optimizer may change them in place) and buffers."""
         held = {slot.index: slot for slot in slots}
         n = step - self.base_step + 1
-        lags = self._logged - self._log_sent > BACKLOG * len(self.outgoing)
+        lags = self._logged - self._log_sent > LAG_STEPS * len(self.outgoing)
         if lags or self._fault == "lag":  # the link cannot carry the log
             self._lagged = not self._error
             self._error = self._error or LAG_CAUSE
