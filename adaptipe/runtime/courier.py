@@ -221,7 +221,6 @@ class LogRing:
         with open(self.path, "wb") as f:
             f.truncate(size)
         self.shared = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
-        self.slots = slots
         self.free: deque[int] = deque(range(slots))
         self._lock = threading.Lock()
         self.cuda = device.type == "cuda"
@@ -237,11 +236,6 @@ class LogRing:
     def give(self, slot: int) -> None:
         with self._lock:
             self.free.append(slot)
-
-    def in_use(self) -> int:
-        """Slots written and not yet sent."""
-        with self._lock:
-            return self.slots - len(self.free)
 
     def write(self, slot: int, tensors: Sequence[Tensor | None]) -> Any:
         """Copy one step's ``tensors`` (in entry order; None: no gradient) into ``slot``.

@@ -42,7 +42,6 @@ from adaptipe.runtime.migration import MigrationReport, Move
 from adaptipe.runtime.slots import LayerSlot
 from adaptipe.runtime.stagestate import Stage
 from adaptipe.runtime.streamproto import (
-    BACKLOG,
     FAILED,
     LAG_CAUSE,
     LAG_STEPS,
@@ -176,7 +175,7 @@ class CourierMove:
             path = shm_path("base")
             self._files.append(path)
             bases.append((k, move, path, stage.tensors(move.layers), entries))
-            ring = LogRing(entries, BACKLOG, stage.device)
+            ring = LogRing(entries, LAG_STEPS + 1, stage.device)
             self._files.append(ring.path)
             self._rings[k] = ring
         if bases:
@@ -329,7 +328,7 @@ class CourierMove:
         n = step - self.base_step + 1
         for k, move in self.outgoing:
             ring = self._rings[k]
-            free = ring.take() if ring.in_use() <= LAG_STEPS else None
+            free = ring.take()
             if free is None or self._fault == "lag":  # the link cannot keep up
                 self._lagged = not self._error
                 self._fail(LAG_CAUSE)

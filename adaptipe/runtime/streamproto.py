@@ -25,7 +25,6 @@ from adaptipe.runtime.migration import MIGRATION_FAULT_ENV, MigrationReport
 from adaptipe.runtime.stagestate import Stage
 
 __all__ = [
-    "BACKLOG",
     "FAILED",
     "LAGGED",
     "LAG_CAUSE",
@@ -53,11 +52,11 @@ PER_STEP = 64  # stream ids per step: one per move (as stop-and-copy's limit)
 _BASE = 1 << 62  # the base copy's stream ids: _BASE + move * PER_LAYER + its layer's place
 PER_LAYER = 1 << 20
 _ADDRESS_BYTES = 192
-BACKLOG = 8  # logged steps a sender may hold (memory stays bounded)
-# Logged steps unsent at which the link counts as unable to carry the log: the log goes
-# ahead of the base copy, so on a link that carries it a step leaves within the iteration;
-# on a link-bound pipeline it yields to the stage's sends and none leaves (the bed's
-# throttled link: 8 steps took 10 iterations to fill, each of them at the slow cut)
+# Logged steps a sender may hold unsent; one more and the link counts as unable to carry
+# the log (and memory stays bounded). The log goes ahead of the base copy, so on a link
+# that carries it a step leaves within the iteration; on a link-bound pipeline it yields
+# to the stage's sends and none leaves (on the bed's throttled link 8 steps took 10
+# iterations to fill, each of them at the slow cut; 4 take 6)
 LAG_STEPS = 4
 LAG_CAUSE = (
     f"the gradient log fell {LAG_STEPS} steps behind the link; the move goes by stop-and-copy"
