@@ -5,7 +5,6 @@ the run that never moved a layer; a stream that fails changes nothing either."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.streamproto import LAG_CAUSE, PER_STEP, base_pace
 from adaptipe.runtime.worker import FAULT_ENV
 from adaptipe.sim.migration import MigrationCost, choose_transfer
-from tests.test_migration import _assert_bitwise, _events
+from tests.test_migration import _assert_bitwise, _control_migrations, _events
 from tests.test_migration import _final as final_state
 
 ITERATIONS = 20
@@ -117,11 +116,7 @@ def test_streamed_migrations_end_bitwise_equal_to_no_migration(
         assert base > CHUNK and e["base_s"] >= (base - CHUNK) / e["pace_Bps"], e
     plans = _events(moved, "plan", stages)
     assert sorted(i for s in plans for i in s[-1]["layers"]) == list(range(6))
-    said = [
-        e
-        for e in map(json.loads, (moved / "control.jsonl").read_text().splitlines())
-        if e.get("event") == "migration"
-    ]
+    said = _control_migrations(moved)
     assert [(e["iteration"], e["transfer"], e["ok"]) for e in said] == [
         (it, "streamed", True) for it in switched
     ]
@@ -198,11 +193,7 @@ def test_a_stream_whose_gradient_log_lags_moves_by_stop_and_copy_at_once(
     at = migrations[0][0]["iteration"]
     assert at == migrations[1][0]["iteration"] and 3 < at <= 5  # at the next boundaries
     assert list(adoptions(RunDir(moved)).values()) == [at]
-    said = [
-        e
-        for e in map(json.loads, (moved / "control.jsonl").read_text().splitlines())
-        if e.get("event") == "migration"
-    ]
+    said = _control_migrations(moved)
     assert [(e["iteration"], e["ok"], e["instead_of"]) for e in said] == [(at, True, LAG_CAUSE)]
     plans = _events(moved, "plan", 2)
     assert [s[-1]["layers"] for s in plans] == [[0, 1], [2, 3, 4, 5]]

@@ -34,8 +34,8 @@ RAISE = 1.2
 FORGET = 1.5
 # A probe's payload takes about this long at the remembered rate: long enough that its
 # overheads (a round trip, thread wake-ups: 0.3-1 ms on the bed) leave the rate read within
-# a few percent (2.43 against 2.39 MB/s), short enough to cost little (at 20 ms, probing every 10 iterations cost the
-# bed's throttled runs 6-8% of their throughput).
+# a few percent (2.43 against 2.39 MB/s), short enough to cost little (at 20 ms, probing
+# every 10 iterations cost the bed's throttled runs 6-8% of their throughput).
 PROBE_S = 0.01
 _PROBE_BYTES = (16 << 10, 4 << 20)  # beyond a token bucket's 1 ms burst, and a cap
 

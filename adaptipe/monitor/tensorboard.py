@@ -15,8 +15,9 @@ add_scalar`` made an event per scalar, 71 us of CPU each with tensorboard's pure
 CRC, and the manager of a 4-job array writes 20 an iteration on the core it may share
 with a stage; one event per run cost 13 us a scalar, and the manager's loop on
 bench_adaptive's 4-job CNN 1.23-1.30 ms of CPU an iteration against 1.76-2.01 (0.72-0.83
-without TensorBoard; session 24). It needs the ``tensorboard`` package (a dependency); where it is missing,
-`TensorBoardSink.open` says so once and returns None, and training goes on.
+without TensorBoard; session 24). It needs the ``tensorboard`` package (a dependency);
+where it is missing, `TensorBoardSink.open` says so once and returns None, and training
+goes on.
 """
 
 from __future__ import annotations

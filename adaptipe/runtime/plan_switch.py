@@ -48,6 +48,7 @@ from adaptipe.sim.migration import UNMEASURED_BPS, MigrationCost, choose_transfe
 __all__ = ["PlanSwitch", "link_floors", "vote"]
 
 Log = Callable[[dict[str, Any]], None]
+Reported = Callable[[str, dict[str, Any]], None]  # (event, a migration report as JSON)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -105,27 +106,27 @@ class PlanSwitch:
 
     def move(
         self, old: Partition, new: Partition, schedule: Schedule, *, wire: torch.device,
-        seq: int, log: Log,
+        seq: int, log: Reported,
     ) -> bool:  # fmt: skip
         """Move layers live from ``old`` to ``new`` at this boundary (every worker): switch
         the streamed move under way, or copy them now (stop-and-copy, ``seq`` numbering
         its messages), also where a streamed move failed because the link could not carry
-        its gradient log (then its report is logged as ``stream_lagged``). ``log`` gets
-        each report; False when the old partition stays."""
+        its gradient log. ``log`` gets each report as a ``migration`` event (the streamed
+        one that lagged as ``stream_lagged``); False when the old partition stays."""
         streaming, instead_of = self.take_streaming(), ""
         if streaming is not None:
             report = streaming.switch(layers_of(new, schedule, self.stage.rank))
             if report.ok or not report.lagged:
-                log(report.to_json())
+                log("migration", report.to_json())
                 return report.ok
-            log({**report.to_json(), "event": "stream_lagged"})
+            log("stream_lagged", report.to_json())
             instead_of = LAG_CAUSE
         report = migrate(
             self.stage, old=old, new=new, schedule=schedule, wire=wire,
             timeout_s=self.config.adapt.timeout_s, seq=seq,
         )  # fmt: skip
         report.instead_of = instead_of
-        log(report.to_json())
+        log("migration", report.to_json())
         return report.ok
 
     def take_streaming(self) -> StreamedMove | CourierMove | None:

@@ -356,7 +356,7 @@ class _Worker:
             moved = self.switch.move(
                 self.partition, partition, self.windows.schedule(), wire=self.wire,
                 seq=self.follower.active.version if self.follower.active is not None else 0,
-                log=lambda report: log(fh, {"event": "migration", **event, **report}),
+                log=lambda kind, report: log(fh, {"event": kind, **event, **report}),
             )  # fmt: skip
             if not moved:
                 return False
