@@ -104,7 +104,7 @@ def run(make_config: Callable[..., RunConfig]) -> RunDir:
 def _loop(run: RunDir, tele: _Telemetry, settings: AdaptSection, decider: Any = None) -> AdaptLoop:
     cfg = replace(run.read_config(), adapt=settings)
     chosen = decider if decider is not None else live_decider(run, cfg)
-    return AdaptLoop(run, settings, chosen, lambda: list(tele.records))
+    return AdaptLoop(run, settings, chosen, lambda since: list(tele.records))
 
 
 def test_controller_fields_are_read_checked_and_round_trip(
@@ -251,6 +251,26 @@ def test_a_move_is_committed_when_the_controller_answers_not_at_the_next_poll(
     assert event["acted"] and event["version"] == 1 and loop._call is None
     # it slept: its seconds are the call's wall time, cpu_seconds what its thread computed
     assert event["seconds"] >= 0.05 > 0.02 > event["cpu_seconds"] >= 0
+
+
+def test_a_quick_answer_is_logged_by_the_poll_that_asked_a_slow_one_later(
+    run: RunDir,
+) -> None:
+    """The manager's poll waits up to ``answer_wait_s`` for a call it starts (a pass of
+    its own per answer cost CPU at every check); one past it is taken in later."""
+    tele = _Telemetry()
+    settings = _adapt(check_every=1, window=1, dry_run=True)
+    loop = _loop(run, tele, settings, decider=_Sleeps(0.02))
+    (event,) = loop.poll([{"iteration": 0, "iteration_s": 0.01}], answer_wait_s=2.0)
+    assert event["event"] == "decision" and event["decision"]["reason"] == "late"
+    assert loop._call is None and event["seconds"] >= 0.02
+    slow = _loop(run, _Telemetry(), settings, decider=_Sleeps(0.5))
+    t0 = time.monotonic()
+    assert slow.poll([{"iteration": 0, "iteration_s": 0.01}], answer_wait_s=0.05) == []
+    assert 0.04 <= time.monotonic() - t0 < 0.4 and slow.deciding
+    slow.await_answer(5.0)
+    (late,) = slow.poll([])
+    assert late["decision"]["reason"] == "late" and not slow.deciding
 
 
 def test_calls_are_handed_to_one_thread_and_run_there_one_after_another() -> None:

@@ -91,7 +91,7 @@ def test_the_loop_moves_a_layer_off_a_warned_stage_once_per_cooldown(
     make_config: Callable[..., RunConfig],
 ) -> None:
     run, _ = prepare(make_config(train={"iterations": 100}))
-    loop = AdaptLoop(run, AdaptSection(cooldown=5), None, lambda: [])  # no controller
+    loop = AdaptLoop(run, AdaptSection(cooldown=5), None, lambda since: [])  # no controller
     assert _poll(loop, 0) == []
     _warn(run.root, 1, 2)
     events = _poll(loop, 3)
@@ -134,7 +134,7 @@ def test_a_warned_stage_whose_neighbour_is_warned_too_keeps_its_layers(
     make_config: Callable[..., RunConfig],
 ) -> None:
     run, _ = prepare(make_config(train={"iterations": 100}))
-    loop = AdaptLoop(run, AdaptSection(dry_run=True), None, lambda: [])
+    loop = AdaptLoop(run, AdaptSection(dry_run=True), None, lambda since: [])
     _warn(run.root, 1, 2, stage=0)
     _warn(run.root, 1, 2, stage=1)
     decisions = [e for e in _poll(loop, 2) if e["event"] == "decision"]
@@ -146,7 +146,7 @@ def test_a_dry_run_logs_the_memory_move_without_committing_it(
     make_config: Callable[..., RunConfig],
 ) -> None:
     run, _ = prepare(make_config(train={"iterations": 100}))
-    loop = AdaptLoop(run, AdaptSection(dry_run=True), None, lambda: [])
+    loop = AdaptLoop(run, AdaptSection(dry_run=True), None, lambda since: [])
     _warn(run.root, 1, 2, stage=0)
     events = _poll(loop, 2)
     assert events[-1]["decision"]["bounds"] == [0, 2, 6] and not events[-1]["acted"]

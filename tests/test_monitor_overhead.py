@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,6 +45,10 @@ def _device(stage: int, time_s: float, util: float) -> DeviceSample:
     return DeviceSample(stage=stage, time_s=time_s, source="cpu", fields={"util_pct": util})
 
 
+def _link(src: int, dst: int, time_s: float, rate: float) -> LinkSample:
+    return LinkSample(src=src, dst=dst, time_s=time_s, nbytes=1, seconds=1.0, bandwidth_Bps=rate)
+
+
 def _take(collector: Collector, count: int, timeout_s: float = 10.0) -> None:
     """Drive the collector from this thread, as the manager's loop does."""
     deadline = time.monotonic() + timeout_s
@@ -69,21 +74,58 @@ def test_a_decision_reads_what_observe_takes_from_all_records(tmp_path: Path) ->
     # stage 0's newest sample is not its last to arrive; stage 1 has two of equal time
     records += [_device(0, 105.0, 10.0), _device(0, 109.0, 90.0), _device(0, 107.0, 50.0)]
     records += [_device(1, 108.0, 20.0), _device(1, 108.0, 30.0), _device(1, 101.0, 70.0)]
+    # the link back: its newest sample came first; two of equal time: the faster
+    records += [_link(1, 0, 120.0, 5e6), _link(1, 0, 110.0, 7e6), _link(1, 0, 120.0, 6e6)]
     records.append(Event(kind="checkpoint", time_s=101.0, stage=0, detail={"iteration": 4}))
     with Collector() as collector, Publisher(collector.address, stage=0) as publisher:
         for rec in records:
             assert publisher.publish(rec)
         _take(collector, len(records))
         every, chosen = collector.records(), collector.for_decision()
+        recent = collector.for_decision(6)  # a check reads the iterations it needs
     devices = [r for r in chosen if isinstance(r, DeviceSample)]
     assert [(d.stage, d.fields["util_pct"]) for d in devices] == [(0, 90.0), (1, 30.0)]
-    assert [r for r in chosen if not isinstance(r, DeviceSample)] == [
-        r for r in every if not isinstance(r, DeviceSample)
+    links = [(r.src, r.dst, r.bandwidth_Bps) for r in chosen if isinstance(r, LinkSample)]
+    assert links == [(0, 1, 10e6), (1, 0, 6e6)]
+    stats = [r for r in every if isinstance(r, StageStats)]
+    assert [r for r in chosen if isinstance(r, StageStats)] == stats
+    assert [r for r in recent if isinstance(r, StageStats)] == [
+        r for r in stats if r.iteration >= 6
     ]
+    assert [r for r in recent if not isinstance(r, StageStats)] == [
+        r for r in chosen if not isinstance(r, StageStats)
+    ]
+    assert not any(isinstance(r, Event) for r in chosen)  # no decision reads them
     partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 2, 4))
     assert observe(chosen, _profile(), partition, window=4) == observe(
         every, _profile(), partition, window=4
     )
+
+
+def test_a_decisions_newest_sample_is_found_again_when_it_leaves_the_ring() -> None:
+    # history 3: the newest-stamped sample arrives first, then three older ones push it
+    # out; the newest of what the ring still holds is taken, as observe would take it
+    samples = [_device(0, 50.0, 1.0), _device(0, 10.0, 2.0), _device(0, 30.0, 3.0)]
+    samples += [_device(0, 20.0, 4.0), _device(0, 5.0, 5.0)]
+    links = [_link(0, 1, 50.0, 1e6), _link(0, 1, 10.0, 2e6), _link(0, 1, 30.0, 3e6)]
+    links += [_link(0, 1, 20.0, 4e6)]
+    partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 2, 4))
+    stats: list[Record] = [_stats(0, 0), _stats(1, 0, first=2)]
+    with Collector(history=3) as collector, Publisher(collector.address, stage=0) as publisher:
+        seen = []
+        for rec in [*stats, *samples, *links]:
+            assert publisher.publish(rec)
+            _take(collector, collector.accepted + 1)
+            if isinstance(rec, StageStats):
+                continue
+            chosen = collector.for_decision()
+            dev = [r.fields["util_pct"] for r in chosen if isinstance(r, DeviceSample)]
+            bw = [r.bandwidth_Bps for r in chosen if isinstance(r, LinkSample)]
+            seen.append((dev, bw))
+            every = collector.records()
+            assert observe(chosen, _profile(), partition) == observe(every, _profile(), partition)
+    assert [d for d, _ in seen[:5]] == [[1.0], [1.0], [1.0], [3.0], [3.0]]
+    assert [b for _, b in seen[5:]] == [[1e6], [1e6], [1e6], [3e6]]
 
 
 def test_telemetry_lines_are_json_lines_and_an_infinity_is_null(tmp_path: Path) -> None:
@@ -108,10 +150,14 @@ def test_drain_takes_in_the_frames_a_closing_stage_sent_last(tmp_path: Path) -> 
 
 @dataclass
 class _Loop:
-    """The two things the manager's wait asks of the decision loop."""
+    """What the manager's wait asks of the decision loop."""
 
     due: bool = False
     deciding: bool = False
+    answered: threading.Event = field(default_factory=threading.Event)
+
+    def await_answer(self, timeout_s: float) -> None:
+        self.answered.wait(timeout_s)
 
 
 def _waited(wait: pace.Pace, loop: _Loop, collector: Collector) -> float:
@@ -152,6 +198,19 @@ def test_the_manager_polls_a_calls_answer_at_adapt_poll_s(monkeypatch: pytest.Mo
         assert _waited(wait, loop, collector) >= 0.55
         loop.due = True  # the next check nears, no call yet: wait for its iteration
         assert _waited(wait, loop, collector) >= 0.55
+
+
+def test_the_manager_wakes_when_a_calls_answer_comes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pace, "ADAPT_POLL_S", 5.0)  # not the poll period: the answer
+    with Collector() as collector:
+        wait = pace.Pace(poll_s=5.0, stages=1, next_iteration=0)
+        loop = _Loop(due=True, deciding=True)
+        timer = threading.Timer(0.1, loop.answered.set)
+        timer.start()
+        try:
+            assert 0.09 <= _waited(wait, loop, collector) < 2.0
+        finally:
+            timer.cancel()
 
 
 def test_a_check_due_every_iteration_waits_for_its_iteration_once_its_call_answered() -> None:

@@ -126,7 +126,7 @@ def test_a_resumed_run_serves_with_the_adapted_weights(
     second = live_decider(run, cfg)
     fresh = second.controller.predictor.network.state_dict()  # type: ignore[attr-defined]
     assert any(not torch.equal(fresh[k], adapted[k]) for k in adapted)  # shipped, so far
-    loop = AdaptLoop(run, cfg.adapt, second, lambda: [], start=30)
+    loop = AdaptLoop(run, cfg.adapt, second, lambda since: [], start=30)
     (restored,) = loop.poll([])
     assert restored["event"] == "adapt_restored" and "error" not in restored
     served = second.controller.predictor.network.state_dict()  # type: ignore[attr-defined]

@@ -11,12 +11,14 @@ every accepted record can also go to a ``telemetry.jsonl`` file, one JSON line e
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import operator
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self, TypeVar
@@ -51,6 +53,7 @@ K = TypeVar("K", int, tuple[int, int])
 
 
 _TIME = operator.attrgetter("time_s")
+_NEWEST_RATE = operator.attrgetter("time_s", "bandwidth_Bps")
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # one, not one a record
 
 
@@ -69,6 +72,36 @@ def _ring(rings: dict[K, deque[R]], stage: K, length: int) -> deque[R]:
     if ring is None:
         ring = rings[stage] = deque(maxlen=length)
     return ring
+
+
+def _keep(
+    rings: dict[K, deque[R]],
+    newest: dict[K, R],
+    key: K,
+    record: R,
+    length: int,
+    order: Callable[[R], object],
+) -> None:
+    """Append ``record`` to its ring and keep ``newest[key]`` the ring's greatest by
+    ``order``, the later to arrive of equals (found again only when it leaves the ring)."""
+    ring = _ring(rings, key, length)
+    evicted = ring[0] if len(ring) == length else None
+    ring.append(record)
+    best = newest.get(key)
+    if best is None or evicted is best:
+        newest[key] = max(reversed(ring), key=order)  # type: ignore[arg-type]
+    elif order(record) >= order(best):  # type: ignore[operator]
+        newest[key] = record
+
+
+class _From:
+    """Whether a stage's StageStats is of iteration ``since`` or later."""
+
+    def __init__(self, since: int) -> None:
+        self.since = since
+
+    def __call__(self, record: StageStats) -> bool:
+        return record.iteration >= self.since
 
 
 class _AllowKeys:
@@ -121,6 +154,9 @@ class Collector:
         self._stats: dict[int, deque[StageStats]] = {}
         self._devices: dict[int, deque[DeviceSample]] = {}
         self._links: dict[tuple[int, int], deque[LinkSample]] = {}
+        # each ring's newest (`for_decision`), kept as records come in
+        self._device_newest: dict[int, DeviceSample] = {}
+        self._link_newest: dict[tuple[int, int], LinkSample] = {}
         self._events: deque[Event] = deque(maxlen=max(1024, history))
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -214,9 +250,11 @@ class Collector:
                 case StageStats():
                     _ring(self._stats, record.stage, self.history_len).append(record)
                 case DeviceSample():
-                    _ring(self._devices, record.stage, self.history_len).append(record)
+                    stage, length = record.stage, self.history_len
+                    _keep(self._devices, self._device_newest, stage, record, length, _TIME)
                 case LinkSample():
-                    _ring(self._links, (record.src, record.dst), self.history_len).append(record)
+                    link, length = (record.src, record.dst), self.history_len
+                    _keep(self._links, self._link_newest, link, record, length, _NEWEST_RATE)
                 case Event():
                     self._events.append(record)
         if self._jsonl is not None:
@@ -292,17 +330,23 @@ class Collector:
             out += [r for ring in self._links.values() for r in ring]
             return out + list(self._events)
 
-    def for_decision(self) -> list[Record]:
-        """What a controller's decision reads (`adaptipe.runtime.adapt_loop`): as
-        :meth:`records`, but of each stage's DeviceSamples only the newest (the latest
-        ``time_s``, the later of equals), the one `controllers.observation.observe` takes;
-        the rest of the ring, most of the records, would only be filtered out."""
+    def for_decision(self, since: int = 0) -> list[Record]:
+        """What a controller's decision reads (`adaptipe.runtime.adapt_loop`): the
+        StageStats from iteration ``since`` on (a stage's ring read from its end back to
+        the first older iteration), and of each stage's DeviceSamples and each link's
+        LinkSamples only the one `controllers.observation.observe` takes (the newest; of
+        equal times, the later to arrive for a device, the higher bandwidth for a link,
+        as its ``max`` of ``(time_s, bandwidth_Bps)`` picks). The rest of the rings, and
+        the events, would only be read past at every check (docs/benchmarks.md, session
+        26)."""
         with self._lock:
-            out: list[Record] = [r for ring in self._stats.values() for r in ring]
-            # max keeps the first of equals: over the ring reversed, the later to arrive
-            out += [max(reversed(ring), key=_TIME) for ring in self._devices.values() if ring]
-            out += [r for ring in self._links.values() for r in ring]
-            return out + list(self._events)
+            out: list[Record] = []
+            for ring in self._stats.values():
+                newest = list(itertools.takewhile(_From(since), reversed(ring)))
+                out += reversed(newest)
+            out += self._device_newest.values()
+            out += self._link_newest.values()
+            return out
 
     def close(self) -> None:
         """Stop the thread, close the socket (dropping anything queued) and the file."""

@@ -22,12 +22,8 @@ Events (one JSON line each in ``control.jsonl``)::
     {"event": "decision", "iteration", "controller", "bounds" (in force), "decision"
      (Decision.to_json() or null), "acted", "dry_run", "inputs", "seconds", "cpu_seconds"
      (its thread's: seconds less waiting for a core), ["version" (committed), "error"]}
-    {"event": "decision_outcome", "iteration" (the decision's), "version", "switched_at",
-     "before_s", "after_s", "predicted_gain_s", "realised_gain_s"}
-
-The outcome compares the median merged iteration time of the ``window`` iterations before
-the switch with that of the first ``window`` from it on (its stall included); a move the
-workers could not make (a failed migration rolls back) has ``switched_at`` null.
+    {"event": "decision_outcome", ...}  (`adaptipe.runtime.adapt_outcomes`: the
+     realised gain of each committed move, once measured)
 
 ``adaptipe adapt RUN_DIR --pause | --resume | --controller NAME`` changes the loop live
 (`adaptipe.runtime.adapt_requests`): a paused loop starts no calls, and another
@@ -54,15 +50,14 @@ factory in (`adaptipe.controllers.live.decider` does observe + decide).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from adaptipe.errors import PlanError
 from adaptipe.monitor.schema import Record, StageStats
 from adaptipe.plan.partition import Partition
+from adaptipe.runtime.adapt_outcomes import Outcomes
 from adaptipe.runtime.adapt_requests import (
     ADAPT_REQUEST,
     AdaptOverride,
@@ -94,15 +89,6 @@ class Decider(Protocol):
 DeciderFactory = Callable[[RunDir, "RunConfig"], Decider]
 
 
-@dataclass(slots=True)
-class _Pending:
-    """A committed move whose realised gain is still to be measured."""
-
-    iteration: int
-    version: int
-    predicted_gain_s: float | None
-
-
 class AdaptLoop:
     """See the module doc.
 
@@ -111,8 +97,8 @@ class AdaptLoop:
         settings: the run's ``[adapt]``.
         decider: the controller behind the `Decider` protocol (None: none decides until
             ``adaptipe adapt --controller`` names one).
-        records: the telemetry kept so far (e.g. `Collector.records`); called on the
-            poll, cheap.
+        records: the telemetry kept so far, its StageStats from the iteration given on
+            (`Collector.for_decision`); called when a check starts, cheap.
         start: the first iteration this launch trains (a resume's checkpoint).
         commit: commits layer bounds, returns the version (default: `repartition`).
         rebuild: builds the controller a name stands for (None for "none"); without it
@@ -128,7 +114,7 @@ class AdaptLoop:
         run: RunDir,
         settings: AdaptSection,
         decider: Decider | None,
-        records: Callable[[], Sequence[Record]],
+        records: Callable[[int], Sequence[Record]],
         *,
         start: int = 0,
         commit: Callable[[tuple[int, ...]], int] | None = None,
@@ -149,13 +135,13 @@ class AdaptLoop:
             record_controller(run.root, decider, iteration=start)
         self._records, self._clock, self._start = records, clock, start
         self._in_force_cache: tuple[int, float, tuple[int, Partition] | None] | None = None
+        self._partitions: dict[int, Partition] = {}  # plan version -> its partition
         self._commit = commit if commit is not None else self._repartition
         self._latest, self._next_check = start - 1, start  # the last merged, the next check
-        self._times: dict[int, float] = {}  # merged iteration -> its seconds
         self._call: DeciderCall | None = None
         self._thread = DecideThread()  # where calls run
         self._asked: tuple[int, tuple[int, ...]] = (start, ())  # iteration, bounds in force
-        self._pending: list[_Pending] = []
+        self._outcomes = Outcomes(run, settings.window)
         self._last_move: int | None = None  # the iteration of the last committed move
         self.calls = 0  # decider calls started (tests check that a hung one is not repeated)
         # the control folder is scanned only where stages run a memory guard
@@ -187,10 +173,13 @@ class AdaptLoop:
     def name(self) -> str:
         return self.decider.name if self.decider is not None else "none"
 
-    def poll(self, merged: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Take the newly merged iterations; return the events to log. Never blocks."""
+    def poll(
+        self, merged: Sequence[Mapping[str, Any]], *, answer_wait_s: float = 0.0
+    ) -> list[dict[str, Any]]:
+        """Take the newly merged iterations; return the events to log. A call it starts
+        is waited for up to ``answer_wait_s`` (no CPU), so that a quick answer is logged
+        with this poll, not in a pass of its own (each pass costs the manager CPU)."""
         for rec in merged:
-            self._times[int(rec["iteration"])] = float(rec["iteration_s"])
             self._latest = max(self._latest, int(rec["iteration"]))
         events, self._restored = self._restored, []
         if self._checkpoint_due is not None:
@@ -198,15 +187,18 @@ class AdaptLoop:
                 if self._checkpoint_due(int(rec["iteration"]) + 1):
                     self._save(int(rec["iteration"]) + 1)
         events += self._overridden() + self._built() + self._collect() + self._relieve()
-        if merged and self._pending:
-            events += self._outcomes()
-        if merged:  # keep what an outcome may still need
-            keep = min([self._asked[0], *(p.iteration for p in self._pending)])
-            keep -= self.settings.window
-            self._times = {i: t for i, t in self._times.items() if i > keep}
+        if merged:
+            events += self._outcomes.merged(merged, self._latest, keep_from=self._asked[0])
         if self._call is None and self._latest >= self._next_check and self.active:
             self._maybe_start()
+            if self._call is not None and answer_wait_s > 0 and self._call.wait(answer_wait_s):
+                events += self._collect()
         return events
+
+    def await_answer(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` (no CPU) for the call in flight, if any, to answer."""
+        if self._call is not None:
+            self._call.wait(timeout_s)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, iteration: int) -> None:
@@ -322,8 +314,12 @@ class AdaptLoop:
             return  # a full window under the partition in force first
         if self._cooling():
             return
+        # What a decider reads: two windows (a measured baseline), the iterations since
+        # the last check and a few a stage's telemetry may lag behind the merge; all
+        # since the plan change made every check read past a few hundred records.
+        floor = max(since, self._latest - 2 * self.settings.window - self.settings.check_every - 4)
         records = [
-            r for r in self._records() if not isinstance(r, StageStats) or r.iteration >= since
+            r for r in self._records(floor) if not isinstance(r, StageStats) or r.iteration >= floor
         ]
         decider = self.decider
         assert decider is not None  # active
@@ -358,8 +354,12 @@ class AdaptLoop:
         if current_version(self.run) > newest:
             return None
         since = max(adopted.get(newest, 0), self._start)
-        partition = read_active(self.run, newest).partition if newest else None
-        return since, partition if partition is not None else self.run.read_partition()
+        partition = self._partitions.get(newest)
+        if partition is None:  # a version never changes once committed: read once
+            found = read_active(self.run, newest).partition if newest else None
+            partition = found if found is not None else self.run.read_partition()
+            self._partitions[newest] = partition
+        return since, partition
 
     def _collect(self) -> list[dict[str, Any]]:
         call = self._call
@@ -408,9 +408,7 @@ class AdaptLoop:
             gain = verdict.decision.get("predicted_gain_s")
             version = int(call.acted["version"])
             self._last_move = self._asked[0]
-            self._pending.append(
-                _Pending(self._asked[0], version, float(gain) if gain is not None else None)
-            )
+            self._outcomes.add(self._asked[0], version, float(gain) if gain is not None else None)
         return event | call.acted
 
     def _act(self, verdict: Verdict) -> dict[str, Any]:
@@ -449,50 +447,13 @@ class AdaptLoop:
             except PlanError as exc:
                 return [*events, event | {"error": f"commit refused: {exc}"}]
             self._last_move = self._latest
-            self._pending.append(_Pending(self._latest, version, None))
+            self._outcomes.add(self._latest, version, None)
             event |= {"acted": True, "version": version}
         return [*events, event]
 
     def _cooling(self) -> bool:
         last = self._last_move
         return last is not None and self._latest < last + self.settings.cooldown
-
-    # ------------------------------------------------------------------ outcomes
-    def _outcomes(self) -> list[dict[str, Any]]:
-        adopted = adoptions(self.run)
-        window, out, still = self.settings.window, [], []
-        for p in self._pending:
-            switched = adopted.get(p.version)
-            if switched is None and max(adopted, default=0) > p.version:
-                out.append(self._outcome(p, None, None, None))  # rolled back
-            elif switched is not None and self._latest >= switched + window - 1:
-                before = self._median(switched - window, switched - 1)
-                after = self._median(switched, switched + window - 1)
-                out.append(self._outcome(p, switched, before, after))
-            else:
-                still.append(p)
-        self._pending = still
-        return out
-
-    def _median(self, first: int, last: int) -> float | None:
-        times = [self._times[i] for i in range(first, last + 1) if i in self._times]
-        return statistics.median(times) if times else None
-
-    @staticmethod
-    def _outcome(
-        p: _Pending, switched: int | None, before: float | None, after: float | None
-    ) -> dict[str, Any]:
-        realised = before - after if before is not None and after is not None else None
-        return {
-            "event": "decision_outcome",
-            "iteration": p.iteration,
-            "version": p.version,
-            "switched_at": switched,
-            "before_s": before,
-            "after_s": after,
-            "predicted_gain_s": p.predicted_gain_s,
-            "realised_gain_s": realised,
-        }
 
 
 def _describe(exc: BaseException) -> str:

@@ -71,6 +71,7 @@ class DeciderCall:
         self.error: BaseException | None = None
         self.timed_out = False  # logged as timed out: its answer is dropped
         self.lock = threading.Lock()
+        self._finished = threading.Event()
         thread.submit(lambda: self._run(fn, act))
 
     def _run(self, fn: Callable[[], Verdict], act: Callable[[Verdict], dict[str, Any]]) -> None:
@@ -90,10 +91,15 @@ class DeciderCall:
                 finally:
                     self.cpu_s = time.thread_time() - cpu
                     self.ended = self.clock()
+                    self._finished.set()
 
     @property
     def done(self) -> bool:
         return self.ended is not None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` (no CPU) for the call to end; whether it has."""
+        return self._finished.wait(timeout_s)
 
     def seconds(self) -> float:
         return (self.ended if self.ended is not None else self.clock()) - self.started

@@ -39,7 +39,7 @@ from adaptipe.runtime.host import fit_to_host, this_host
 from adaptipe.runtime.interference import Interference, load_interference
 from adaptipe.runtime.managerinfo import read_manager
 from adaptipe.runtime.metrics_merge import MetricsFollower
-from adaptipe.runtime.pace import Pace
+from adaptipe.runtime.pace import ADAPT_POLL_S, Pace
 from adaptipe.runtime.plans import Plans, resolve_plans
 from adaptipe.runtime.rundir import RunDir
 from adaptipe.runtime.summary import LATE_STOP, TrainSummary, rank_jobs, summarise
@@ -426,7 +426,7 @@ def _follow(launch: _Launch, metrics: IO[str], control_log: IO[str], *, poll_s: 
                 on_iteration(rec, launch.total)
         events = [*follower.migrations(), *(controller.poll() if controller is not None else [])]
         if launch.adapt is not None:
-            events += launch.adapt.poll(new)
+            events += launch.adapt.poll(new, answer_wait_s=ADAPT_POLL_S)
         for event in events:
             control_log.write(json_line(event))
             control_log.flush()

@@ -49,7 +49,7 @@ class Pace:
         if adapt is None or collector is None or not adapt.due:
             time.sleep(self.poll_s)
         elif adapt.deciding:
-            collector.pump(int(min(self.poll_s, ADAPT_POLL_S) * 1000))
+            adapt.await_answer(min(self.poll_s, ADAPT_POLL_S))
         else:
             deadline = time.monotonic() + self.poll_s
             while (left := deadline - time.monotonic()) > 0:
