@@ -17,8 +17,9 @@ from adaptipe.runtime.adapt_loop import AdaptLoop
 __all__ = ["ADAPT_POLL_S", "Pace"]
 
 ADAPT_POLL_S = 0.01
-"""The manager's poll period while a controller call runs, so that its answer is taken
-in within this (`bench/bench_overhead.py --adapt-poll-s` patches it here)."""
+"""How long the manager waits for a controller call's answer at a time: in the poll
+that started the call (`AdaptLoop.poll`'s ``answer_wait_s``), then each pass while it
+runs (`bench/bench_overhead.py --adapt-poll-s` patches it here)."""
 
 
 @dataclass(slots=True)
@@ -32,7 +33,9 @@ class Pace:
     StageStats of that iteration is in: a stage publishes them right after it logs the
     iteration, so the last of those frames comes with the line the check waits for, and
     no decision is an iteration late. While a controller call runs
-    (`AdaptLoop.deciding`), it polls every `ADAPT_POLL_S` to take in the answer.
+    (`AdaptLoop.deciding`), it sleeps until the answer comes, at most `ADAPT_POLL_S`;
+    the telemetry that comes meanwhile waits for the next pass (until session 26 it
+    woke for every frame then, which cost CPU at every check).
 
     Until session 22 "a call runs" was "a call started since the loop was last not
     due", which never ended where a check is due every iteration (``check_every = 1``):
