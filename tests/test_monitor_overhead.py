@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -211,6 +211,28 @@ def test_the_manager_wakes_when_a_calls_answer_comes(monkeypatch: pytest.MonkeyP
             assert 0.09 <= _waited(wait, loop, collector) < 2.0
         finally:
             timer.cancel()
+
+
+def test_a_timed_stage_is_looked_at_when_its_iteration_should_end_not_at_each_frame() -> None:
+    # Stage 0 ended iterations 0-7 every 0.3 s, the last just now: iteration 8 should be
+    # in 0.3 s from now. Its frame comes at once; the manager still sleeps until then
+    # (plus an eighth of the period) and takes it in with what else came, in one batch.
+    now = time.time()
+    timed = [replace(_stats(0, it), time_s=now - 0.3 * (7 - it)) for it in range(8)]
+    with Collector() as collector, Publisher(collector.address, stage=0) as publisher:
+        for rec in timed:
+            assert publisher.publish(rec)
+        _take(collector, len(timed))
+        wait = pace.Pace(poll_s=3.0, stages=1, next_iteration=8)
+        loop = _Loop(due=True)
+        assert publisher.publish(replace(_stats(0, 8), time_s=now + 0.01))
+        assert publisher.publish(_link(0, 1, now, 1e6))
+        took = _waited(wait, loop, collector)
+        assert 0.3 <= took < 2.0, took
+        assert collector.accepted == len(timed) + 2  # both frames, in the one look
+        # iteration 9 never comes: it looks again every eighth of a period, to poll_s
+        wait = pace.Pace(poll_s=0.8, stages=1, next_iteration=9)
+        assert 0.75 <= _waited(wait, loop, collector) < 1.5
 
 
 def test_a_check_due_every_iteration_waits_for_its_iteration_once_its_call_answered() -> None:
