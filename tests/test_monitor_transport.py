@@ -71,6 +71,8 @@ def test_stats_from_publishers_are_stored_per_stage(collector: Collector, tmp_pa
     latest = collector.latest(1)
     assert latest is not None and latest.iteration == 5 and latest.forward_s == (0.001,) * 4
     assert [s.iteration for s in collector.history(0)] == [2, 3, 4, 5]  # ring of 4
+    assert [s.iteration for s in collector.history(0, last=2)] == [4, 5]
+    assert [s.iteration for s in collector.history(0, last=9)] == [2, 3, 4, 5]
     assert collector.latest(7) is None and collector.history(7) == []
     assert [e.kind for e in collector.events()] == ["checkpoint"]
     lines = (tmp_path / "telemetry.jsonl").read_text().splitlines()

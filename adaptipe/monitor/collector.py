@@ -294,10 +294,14 @@ class Collector:
             ring = self._stats.get(stage)
             return ring[-1] if ring else None
 
-    def history(self, stage: int) -> list[StageStats]:
-        """The stage's kept StageStats, oldest first."""
+    def history(self, stage: int, last: int | None = None) -> list[StageStats]:
+        """The stage's kept StageStats, oldest first; the ``last`` newest only, if given
+        (without copying the rest of the ring)."""
         with self._lock:
-            return list(self._stats.get(stage, ()))
+            ring = self._stats.get(stage, ())
+            if last is None or last >= len(ring):
+                return list(ring)
+            return list(itertools.islice(ring, len(ring) - max(last, 0), None))
 
     def latest_device(self, stage: int) -> DeviceSample | None:
         with self._lock:

@@ -77,7 +77,7 @@ class Pace:
         stage has sent the awaited one."""
         ends, periods = [], []
         for stage in range(self.stages):
-            got = collector.history(stage)[-(_PERIODS + 1) :]
+            got = collector.history(stage, last=_PERIODS + 1)
             if not got or got[-1].iteration < self.next_iteration - 1:
                 return None
             if got[-1].iteration >= self.next_iteration:  # in already
