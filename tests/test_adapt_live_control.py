@@ -47,7 +47,7 @@ def _loop(run: RunDir, tele: _Telemetry, settings: AdaptSection) -> AdaptLoop:
         )
 
     chosen = rebuild(settings.controller)
-    return AdaptLoop(run, settings, chosen, lambda since: list(tele.records), rebuild=rebuild)
+    return AdaptLoop(run, settings, chosen, tele.since, rebuild=rebuild)
 
 
 def _controls(events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

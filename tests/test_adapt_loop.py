@@ -85,6 +85,10 @@ class _Telemetry:
             events += _drain(loop)
         return events
 
+    def since(self, floor: int) -> list[Record]:
+        """What `Collector.for_decision` hands a check: StageStats from ``floor`` on."""
+        return [r for r in self.records if not isinstance(r, StageStats) or r.iteration >= floor]
+
 
 def _drain(loop: AdaptLoop, timeout_s: float = 10.0) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
@@ -104,7 +108,7 @@ def run(make_config: Callable[..., RunConfig]) -> RunDir:
 def _loop(run: RunDir, tele: _Telemetry, settings: AdaptSection, decider: Any = None) -> AdaptLoop:
     cfg = replace(run.read_config(), adapt=settings)
     chosen = decider if decider is not None else live_decider(run, cfg)
-    return AdaptLoop(run, settings, chosen, lambda since: list(tele.records))
+    return AdaptLoop(run, settings, chosen, tele.since)
 
 
 def test_controller_fields_are_read_checked_and_round_trip(

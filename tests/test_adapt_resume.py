@@ -60,7 +60,7 @@ def _loop(run: RunDir, tele: _Telemetry, decider: Any, *, start: int = 0) -> Ada
         run,
         settings,
         decider,
-        lambda since: list(tele.records),
+        tele.since,
         start=start,
         checkpoint_due=lambda done: done % 5 == 0,
     )

@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from adaptipe.errors import PlanError
-from adaptipe.monitor.schema import Record, StageStats
+from adaptipe.monitor.schema import Record
 from adaptipe.plan.partition import Partition
 from adaptipe.runtime.adapt_outcomes import Outcomes
 from adaptipe.runtime.adapt_requests import (
@@ -318,9 +318,7 @@ class AdaptLoop:
         # the last check and a few a stage's telemetry may lag behind the merge; all
         # since the plan change made every check read past a few hundred records.
         floor = max(since, self._latest - 2 * self.settings.window - self.settings.check_every - 4)
-        records = [
-            r for r in self._records(floor) if not isinstance(r, StageStats) or r.iteration >= floor
-        ]
+        records = list(self._records(floor))
         decider = self.decider
         assert decider is not None  # active
         self._asked = (self._latest, tuple(partition.bounds))

@@ -40,10 +40,10 @@ class Pace:
     logs the iteration, so no decision is an iteration late. Until a stage's period is
     known it blocks on the collector's socket instead, waking for each frame: on the
     bed that cost stage 0, whose core the manager shares, 1.5-4 ms an iteration
-    (session 26). While a controller call runs
-    (`AdaptLoop.deciding`), it sleeps until the answer comes, at most `ADAPT_POLL_S`;
-    the telemetry that comes meanwhile waits for the next pass (until session 26 it
-    woke for every frame then, which cost CPU at every check).
+    (session 26). While a controller call runs (`AdaptLoop.deciding`), it sleeps until
+    the answer comes, at most `ADAPT_POLL_S`; the telemetry that comes meanwhile waits
+    for the next pass (until session 26 it woke for every frame then, which cost CPU at
+    every check).
 
     Until session 22 "a call runs" was "a call started since the loop was last not
     due", which never ended where a check is due every iteration (``check_every = 1``):
