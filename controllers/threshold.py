@@ -18,6 +18,16 @@ measured iteration time is reported beside them. It moves when
 - no move came in the last ``cooldown`` iterations and fewer than ``max_per_hour``
   moves in the last hour.
 
+A check whose measured iteration is more than ``unexplained`` times what the model puts
+the partition in force at, against the median factor of the checks before, waits: the
+model lacks what slowed the iteration. A throttled link is the case: its iterations
+slow at once, its first readings come a check or two later, and until they do the
+model prices every cut at the old rate (on bench_adaptive's throttled link, a check at
+the onset read 22 ms in force against 149 ms measured and moved to the cut best before
+the throttle, which held the move the throttle called for back by a cooldown). The held
+check neither counts toward ``patience`` nor breaks it, and starts the factors afresh,
+so a model that never catches up holds one check only.
+
 With a `Recall` (live runs, ``[adapt].recall``) the partitions the run has held are
 ranked beside the planner's best at what they measured (`adaptipe.controllers.recall`):
 the best is the least of them, and a move back to one is judged by the same rules.
@@ -28,6 +38,7 @@ Every decision says why, with the numbers it compared.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,6 +67,9 @@ class ThresholdSettings:
     cooldown: int = 20  # iterations after a move before the next
     max_per_hour: int = 6
     horizon: int = 100  # iterations a move's gain is counted over
+    # measured over modelled beyond this many times its median at the checks before:
+    # wait a check for the telemetry (see the module doc); 0 never waits
+    unexplained: float = 2.0
 
     def __post_init__(self) -> None:
         for name, low in (("patience", 1), ("cooldown", 0), ("max_per_hour", 1), ("horizon", 1)):
@@ -63,6 +77,8 @@ class ThresholdSettings:
                 raise PlanError(f"threshold: {name} must be >= {low} (got {getattr(self, name)})")
         if not self.margin >= 0:
             raise PlanError(f"threshold: margin must be >= 0 (got {self.margin})")
+        if not (self.unexplained == 0 or self.unexplained > 1):
+            raise PlanError(f"threshold: unexplained must be 0 or > 1 (got {self.unexplained})")
 
 
 class Threshold:
@@ -85,6 +101,7 @@ class Threshold:
         self._over = 0  # consecutive checks over the margin
         self._last_move: int | None = None  # iteration of the last move
         self._moves: deque[float] = deque()  # clock times of the moves
+        self._factors: deque[float] = deque(maxlen=8)  # measured over modelled, per check
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
@@ -101,11 +118,18 @@ class Threshold:
             self.recall.observe(obs, slow)
             bounds, best, recalled = self._recalled(obs, slow, bounds, best, current)
         ratio = current / best if best > 0 else math.inf
-        self._over = self._over + 1 if ratio > 1 + s.margin else 0
         seen = (
             f"in force {current * 1e3:.1f} ms (iteration measured {measured * 1e3:.1f} ms), "
             f"best {bounds} predicted {best * 1e3:.1f} ms{recalled}"
         )
+        usual = self._unexplained(measured / current if current > 0 else math.inf)
+        if usual is not None:
+            return Decision(
+                reason=f"{seen}: measured {measured / current:.1f}x the model's figure "
+                f"against {usual:.1f}x at the checks before; waiting a check for the "
+                f"telemetry of what slowed it ({self._over}/{s.patience} checks)"
+            )
+        self._over = self._over + 1 if ratio > 1 + s.margin else 0
         if self._over < s.patience:
             return Decision(reason=f"{seen}: within the margin {self._over}/{s.patience} checks")
         if bounds == tuple(obs.bounds):
@@ -134,18 +158,32 @@ class Threshold:
             f"per iteration against a {stall:.3f} s move",
         )
 
+    def _unexplained(self, factor: float) -> float | None:
+        """The median factor of the checks before when this check's is beyond it by
+        ``unexplained`` times (the check waits; the factors start afresh), else None."""
+        limit = self.settings.unexplained
+        usual = statistics.median(self._factors) if len(self._factors) >= 3 else None
+        if limit > 0 and usual is not None and factor > limit * usual:
+            self._factors.clear()
+            return usual
+        if math.isfinite(factor):
+            self._factors.append(factor)
+        return None
+
     def settled(self) -> bool:
         """No check is counting toward a move (`adaptipe.controllers.unchanged`)."""
         return self._over == 0
 
     def state_dict(self) -> dict[str, Any]:
         """Checks over the margin, the last move, the moves of the last hour (as ages, so
-        a resume in another process counts them from its own clock)."""
+        a resume in another process counts them from its own clock), the last checks'
+        measured-over-modelled factors."""
         now = self._clock()
         out: dict[str, Any] = {
             "over": self._over,
             "last_move": self._last_move,
             "move_ages_s": [now - t for t in self._moves],
+            "factors": list(self._factors),
         }
         if self.recall is not None:
             out["recall"] = self.recall.state_dict()
@@ -157,6 +195,7 @@ class Threshold:
         last = state.get("last_move")
         self._last_move = int(last) if last is not None else None
         self._moves = deque(now - float(age) for age in state.get("move_ages_s", []))
+        self._factors = deque((float(f) for f in state.get("factors", [])), maxlen=8)
         if self.recall is not None and isinstance(state.get("recall"), dict):
             self.recall.load_state_dict(state["recall"])
 

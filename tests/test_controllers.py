@@ -300,6 +300,47 @@ def test_the_threshold_controller_weighs_the_move_and_counts_moves_per_hour() ->
         ThresholdSettings(patience=0)
 
 
+def test_the_threshold_controller_waits_a_check_its_model_cannot_explain() -> None:
+    """A throttled link slows the iterations a check or two before its readings come:
+    a check measured far beyond what the model puts the partition at waits, neither
+    counting toward the patience nor breaking it, and only once while it lasts."""
+    partition = Partition(model="m", num_layers=LAYERS, bounds=(0, 3, 6))
+    quiet = observe(_slowed_records(12, 100, 1.0), _profile(), partition, window=4)
+    slowed = observe(_slowed_records(12, 0, 3.0), _profile(), partition, window=4)
+    unexplained = replace(
+        slowed,
+        stage_iteration_s=tuple(tuple(5 * t for t in row) for row in slowed.stage_iteration_s),
+    )
+    controller = Threshold(ThresholdSettings(patience=2, cooldown=0, margin=0.5))
+    for _ in range(3):
+        assert "within the margin 0/2" in controller.decide(quiet).reason
+    assert "within the margin 1/2" in controller.decide(slowed).reason
+    held = controller.decide(unexplained)
+    assert not held.moves and "waiting a check for the telemetry" in held.reason
+    assert "(1/2 checks)" in held.reason and not controller.settled()
+    assert controller.decide(slowed).moves  # the second check over the margin
+    # a model that never catches up: one check waits, then the factor is the usual one
+    stuck = Threshold(ThresholdSettings(patience=2, cooldown=0, margin=0.5))
+    for _ in range(3):
+        stuck.decide(quiet)
+    assert [stuck.decide(unexplained).moves for _ in range(3)] == [False, False, True]
+    state = stuck.state_dict()
+    assert len(state["factors"]) == 2  # afresh after the wait
+    # the hold survives a resume: the factors come back with the state
+    resumed = Threshold(ThresholdSettings(patience=2, cooldown=0, margin=0.5))
+    for _ in range(3):
+        resumed.decide(quiet)
+    again = Threshold(ThresholdSettings(patience=2, cooldown=0, margin=0.5))
+    again.load_state_dict(resumed.state_dict())
+    assert "waiting a check" in again.decide(unexplained).reason
+    never = Threshold(ThresholdSettings(patience=2, cooldown=0, margin=0.5, unexplained=0))
+    for _ in range(3):
+        never.decide(quiet)
+    assert [never.decide(unexplained).moves for _ in range(2)] == [False, True]
+    with pytest.raises(PlanError, match="unexplained must be 0 or > 1"):
+        ThresholdSettings(unexplained=0.5)
+
+
 def test_the_migration_cost_fits_its_own_figures_and_prices_the_moving_layers() -> None:
     truth = MigrationCost(fixed_s=0.02, efficiency=0.5)
     samples = [(n, bw, truth.stall_s(n, bw)) for n in (1 << 20, 8 << 20) for bw in (1e8, 1e9)]
