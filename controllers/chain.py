@@ -36,6 +36,11 @@ One decision runs, on one `Observation`:
    live run of the chain (tiny MLP, 4 stages, nothing injected yet) it moved for a
    predicted 0.8% and the next window measured 69% slower, the switch included.
 
+A check whose measured iteration is more than twice what the model's usual factor puts
+the partition in force at keeps, waiting for the telemetry of what slowed it
+(`adaptipe.controllers.model_lag`): a link's first readings after a step come a check
+after its slow iterations.
+
 Where a model cannot serve, the chain falls back and says so in the decision's
 ``inputs["fallbacks"]``: no forest or no device status on this run (measured
 slowdowns only); no predictor or one trained for another pipeline (the simulator's
@@ -55,8 +60,9 @@ import numpy as np
 from adaptipe.controllers.base import Decision
 from adaptipe.controllers.candidates import score, top_k
 from adaptipe.controllers.encode import encode
+from adaptipe.controllers.model_lag import ModelLag
 from adaptipe.controllers.observation import Observation
-from adaptipe.controllers.recall import Recall
+from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import (
     latest_ratios,
     predicted_time,
@@ -162,9 +168,11 @@ class Chain:
         switch_folder: Path | None = None,
         min_gain: float = MIN_GAIN,
         recall: Recall | None = None,
+        lag: ModelLag | None = None,
     ) -> None:
         self.policy, self.predictor, self.interference = policy, predictor, interference
         self.recall = recall
+        self.lag = lag if lag is not None else ModelLag()
         self.min_gain = min_gain
         self.switch_folder = switch_folder
         self.tuner, self.k, self.why = tuner, candidates, list(why)
@@ -174,8 +182,9 @@ class Chain:
 
     def settled(self) -> bool:
         """The same readings give the same decision (`adaptipe.controllers.unchanged`):
-        the chain keeps no count between checks; an online tuner changes its weights."""
-        return self.tuner is None
+        the chain keeps no count between checks; an online tuner changes its weights; a
+        check that waited for the model decides again at the next."""
+        return self.tuner is None and not self.lag.waited
 
     def explain(
         self, obs: Observation, *, times: Mapping[int, float] | None = None
@@ -190,6 +199,8 @@ class Chain:
             )
         fallbacks = list(self.why)
         slow, info = self._slowdowns(obs, fallbacks)
+        current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
+        usual = self.lag.wait(measured_iteration_s(obs), current)
         found = top_k(obs, slow, self.k)
         if self.recall is not None:  # measured partitions are candidates too
             have = {b for b, _ in found} | {tuple(obs.bounds)}
@@ -233,7 +244,14 @@ class Chain:
             info["chosen"] = None
             why = f"ppo keeps: no candidate predicted {self.min_gain:.0%} faster"
             return Decision(reason=why), info
-        current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
+        if usual is not None:
+            info["chosen"] = None
+            factor = (measured_iteration_s(obs) or 0.0) / current
+            why = (
+                f"ppo waits a check: measured {factor:.1f}x the model's figure for the "
+                f"partition in force against {usual:.1f}x at the checks before"
+            )
+            return Decision(reason=why), info
         action = self.policy.act(encode(obs, [cand_s[best] / now_s * current], slowdowns=slow))
         info["policy_action"] = action
         if action != 1:
@@ -314,7 +332,7 @@ class Chain:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"lag": self.lag.state_dict()}
         if self.tuner is not None:
             out["online"] = self.tuner.state_dict()
         if self.recall is not None:
@@ -326,3 +344,5 @@ class Chain:
             self.tuner.load_state_dict(state["online"])
         if self.recall is not None and isinstance(state.get("recall"), dict):
             self.recall.load_state_dict(state["recall"])
+        if isinstance(state.get("lag"), dict):
+            self.lag.load_state_dict(state["lag"])

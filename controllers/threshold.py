@@ -19,14 +19,9 @@ measured iteration time is reported beside them. It moves when
   moves in the last hour.
 
 A check whose measured iteration is more than ``unexplained`` times what the model puts
-the partition in force at, against the median factor of the checks before, waits: the
-model lacks what slowed the iteration. A throttled link is the case: its iterations
-slow at once, its first readings come a check or two later, and until they do the
-model prices every cut at the old rate (on bench_adaptive's throttled link, a check at
-the onset read 22 ms in force against 149 ms measured and moved to the cut best before
-the throttle, which held the move the throttle called for back by a cooldown). The held
-check neither counts toward ``patience`` nor breaks it, and starts the factors afresh,
-so a model that never catches up holds one check only.
+the partition in force at, against the usual factor, waits for the telemetry of what
+slowed it (`adaptipe.controllers.model_lag`): it neither counts toward ``patience`` nor
+breaks it.
 
 With a `Recall` (live runs, ``[adapt].recall``) the partitions the run has held are
 ranked beside the planner's best at what they measured (`adaptipe.controllers.recall`):
@@ -38,7 +33,6 @@ Every decision says why, with the numbers it compared.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptipe.controllers.base import Decision
+from adaptipe.controllers.model_lag import ModelLag
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.recall import Recall, measured_iteration_s
 from adaptipe.controllers.replan import best_partition, predicted_time, stage_slowdowns
@@ -67,8 +62,8 @@ class ThresholdSettings:
     cooldown: int = 20  # iterations after a move before the next
     max_per_hour: int = 6
     horizon: int = 100  # iterations a move's gain is counted over
-    # measured over modelled beyond this many times its median at the checks before:
-    # wait a check for the telemetry (see the module doc); 0 never waits
+    # measured over modelled beyond this many times its usual: wait a check for the
+    # telemetry (`adaptipe.controllers.model_lag`); 0 never waits
     unexplained: float = 2.0
 
     def __post_init__(self) -> None:
@@ -101,7 +96,7 @@ class Threshold:
         self._over = 0  # consecutive checks over the margin
         self._last_move: int | None = None  # iteration of the last move
         self._moves: deque[float] = deque()  # clock times of the moves
-        self._factors: deque[float] = deque(maxlen=8)  # measured over modelled, per check
+        self.lag = ModelLag(settings.unexplained)
 
     def decide(self, obs: Observation) -> Decision:
         s = self.settings
@@ -122,7 +117,7 @@ class Threshold:
             f"in force {current * 1e3:.1f} ms (iteration measured {measured * 1e3:.1f} ms), "
             f"best {bounds} predicted {best * 1e3:.1f} ms{recalled}"
         )
-        usual = self._unexplained(measured / current if current > 0 else math.inf)
+        usual = self.lag.wait(measured, current)
         if usual is not None:
             return Decision(
                 reason=f"{seen}: measured {measured / current:.1f}x the model's figure "
@@ -158,21 +153,10 @@ class Threshold:
             f"per iteration against a {stall:.3f} s move",
         )
 
-    def _unexplained(self, factor: float) -> float | None:
-        """The median factor of the checks before when this check's is beyond it by
-        ``unexplained`` times (the check waits; the factors start afresh), else None."""
-        limit = self.settings.unexplained
-        usual = statistics.median(self._factors) if len(self._factors) >= 3 else None
-        if limit > 0 and usual is not None and factor > limit * usual:
-            self._factors.clear()
-            return usual
-        if math.isfinite(factor):
-            self._factors.append(factor)
-        return None
-
     def settled(self) -> bool:
-        """No check is counting toward a move (`adaptipe.controllers.unchanged`)."""
-        return self._over == 0
+        """No check is counting toward a move or waiting for the model
+        (`adaptipe.controllers.unchanged`)."""
+        return self._over == 0 and not self.lag.waited
 
     def state_dict(self) -> dict[str, Any]:
         """Checks over the margin, the last move, the moves of the last hour (as ages, so
@@ -183,7 +167,7 @@ class Threshold:
             "over": self._over,
             "last_move": self._last_move,
             "move_ages_s": [now - t for t in self._moves],
-            "factors": list(self._factors),
+            **self.lag.state_dict(),
         }
         if self.recall is not None:
             out["recall"] = self.recall.state_dict()
@@ -195,7 +179,7 @@ class Threshold:
         last = state.get("last_move")
         self._last_move = int(last) if last is not None else None
         self._moves = deque(now - float(age) for age in state.get("move_ages_s", []))
-        self._factors = deque((float(f) for f in state.get("factors", [])), maxlen=8)
+        self.lag.load_state_dict(state)
         if self.recall is not None and isinstance(state.get("recall"), dict):
             self.recall.load_state_dict(state["recall"])
 

@@ -18,6 +18,7 @@ import pytest
 from adaptipe.controllers.chain import RISE, Chain, combine
 from adaptipe.controllers.live import LiveDecider, from_settings
 from adaptipe.controllers.live import decider as live_decider
+from adaptipe.controllers.model_lag import ModelLag
 from adaptipe.controllers.observation import Observation
 from adaptipe.controllers.recall import Recall
 from adaptipe.monitor.features import FEATURES
@@ -229,3 +230,22 @@ def test_the_online_fields_are_read_and_checked(make_config: Callable[..., RunCo
         make_config(adapt={"online_budget_s": 0})
     with pytest.raises(PlanError, match=r"\[adapt\].online"):
         make_config(adapt={"online": "yes"})
+
+
+def test_a_check_its_model_cannot_explain_waits_once(chain: Chain) -> None:
+    """A link's first readings after a step come a check after its slow iterations:
+    a check measured far beyond the model's usual figure keeps, once."""
+    fresh = Chain(chain.policy, predictor=chain.predictor)
+    for _ in range(3):
+        assert not fresh.explain(make_obs([[1.0] * 4] * 8))[0].moves
+    # stage 1 slowed as measured, and the iteration 3x longer than that explains
+    unexplained = make_obs([[1.0, 3.0, 1.0, 1.0]] * 8, overhead=3.0)
+    waited, said = fresh.explain(unexplained)
+    assert not waited.moves and "ppo waits a check" in waited.reason
+    assert said["chosen"] is None and not fresh.settled()
+    assert fresh.explain(unexplained)[0].moves  # once: the factors start afresh
+    assert len(fresh.state_dict()["lag"]["factors"]) == 1
+    never = Chain(chain.policy, predictor=chain.predictor, lag=ModelLag(0))
+    for _ in range(3):
+        never.explain(make_obs([[1.0] * 4] * 8))
+    assert never.explain(unexplained)[0].moves
