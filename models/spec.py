@@ -65,6 +65,35 @@ def _isolated_init(seed: int) -> Iterator[None]:
                 torch.set_default_dtype(default_dtype)
 
 
+# In-place initialisers that only write values: nothing to do on the meta device.
+_INITIALISERS = frozenset(
+    {"normal_", "uniform_", "trunc_normal_", "random_", "bernoulli_", "exponential_",
+     "fill_", "zero_", "copy_", "orthogonal_", "kaiming_uniform_", "kaiming_normal_",
+     "xavier_uniform_", "xavier_normal_", "ones_", "zeros_", "constant_", "eye_", "dirac_",
+     "sparse_"}
+)  # fmt: skip
+
+
+class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Skip value initialisation of meta tensors. On meta, ``normal_`` runs through
+    ``torch._refs``, whose wrapper imports ``torch._dynamo`` (about 1.2 s of CPU, once a
+    process): what the manager's `layer_sizes` and each worker's job-array check paid at
+    start-up for a layer with an embedding."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else (kwargs or {}).get("tensor")  # torch.nn.init's name
+        if name in _INITIALISERS and isinstance(first, Tensor) and first.is_meta:
+            return first
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerSpec:
     """One layer: its unique name, its kind (a profiling feature) and how to construct it.
@@ -121,8 +150,8 @@ class ModelSpec:
         """Layer `index`, initialised from (seed, index, config) only."""
         self._check_range(index, 0, self.num_layers - 1, "layer index")
         target = torch.device(device)
-        if target.type == "meta":
-            with torch.device("meta"):
+        if target.type == "meta":  # shapes only: no values to draw
+            with _NoInitOnMeta(), torch.device("meta"):
                 module = self.layers[index].make()
         else:
             with _isolated_init(mix_seed(seed, index)):

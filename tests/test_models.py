@@ -134,6 +134,27 @@ def test_meta_build_has_shapes_only(spec: ModelSpec) -> None:
     assert output.is_meta and output.shape == expected.shape
 
 
+def test_a_meta_build_draws_nothing_and_leaves_dynamo_unimported() -> None:
+    """On meta, ``normal_`` runs through ``torch._refs``, which imports ``torch._dynamo``:
+    about 1.2 s of CPU a process (the manager's job-array check paid it at start-up)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from adaptipe.models import MODEL_NAMES, get_model\n"
+        "for name in MODEL_NAMES:\n"
+        "    spec = get_model(name)\n"
+        "    for i in range(spec.num_layers):\n"
+        "        spec.build_layer(i, seed=0, device='meta')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr
+
+
 def test_sgd_trains(spec: ModelSpec) -> None:
     model = spec.build_all(seed=1)
     inputs, targets = spec.dataset().sample_batch(32, seed=0)
