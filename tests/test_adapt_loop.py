@@ -514,7 +514,9 @@ def test_a_baseline_controller_moves_layers_off_a_slowed_stage_in_a_real_run(
     moves = [e for e in events if e["event"] == "decision" and e["acted"]]
     late = [m for m in moves if m["iteration"] >= 10]
     assert late and all(e["controller"] == "always_best" for e in moves)
-    assert late[0]["decision"]["bounds"][1] > late[0]["bounds"][1]  # layers off stage 1
+    # a check at the onset may still read the iterations before it (no margin, no
+    # patience: it moves on them); where the run ends, stage 1 has given layers away
+    assert moves[-1]["decision"]["bounds"][1] > 3, [m["decision"]["bounds"] for m in moves]
     assert any(e["event"] == "migration" and e["ok"] for e in events)
 
 
