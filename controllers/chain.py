@@ -200,7 +200,8 @@ class Chain:
         fallbacks = list(self.why)
         slow, info = self._slowdowns(obs, fallbacks)
         current = predicted_time(obs, obs.bounds, slow) * obs.microbatches
-        usual = self.lag.wait(measured_iteration_s(obs), current)
+        measured = measured_iteration_s(obs)
+        usual = self.lag.wait(measured, current)
         found = top_k(obs, slow, self.k)
         if self.recall is not None:  # measured partitions are candidates too
             have = {b for b, _ in found} | {tuple(obs.bounds)}
@@ -244,11 +245,10 @@ class Chain:
             info["chosen"] = None
             why = f"ppo keeps: no candidate predicted {self.min_gain:.0%} faster"
             return Decision(reason=why), info
-        if usual is not None:
+        if usual is not None and measured is not None:  # a wait had a measurement
             info["chosen"] = None
-            factor = (measured_iteration_s(obs) or 0.0) / current
             why = (
-                f"ppo waits a check: measured {factor:.1f}x the model's figure for the "
+                f"ppo waits a check: measured {measured / current:.1f}x the model's figure for the "
                 f"partition in force against {usual:.1f}x at the checks before"
             )
             return Decision(reason=why), info

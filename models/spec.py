@@ -77,8 +77,9 @@ _INITIALISERS = frozenset(
 class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
     """Skip value initialisation of meta tensors. On meta, ``normal_`` runs through
     ``torch._refs``, whose wrapper imports ``torch._dynamo`` (about 1.2 s of CPU, once a
-    process): what the manager's `layer_sizes` and each worker's job-array check paid at
-    start-up for a layer with an embedding."""
+    process): what the manager's job-array check (`adaptipe.runtime.jobarray`) paid at
+    start-up for a layer with an embedding. A forward on meta may still import it
+    (``torch.arange`` goes the same way)."""
 
     def __torch_function__(
         self,
